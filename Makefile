@@ -1,0 +1,21 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+demo: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[demo]'
+	$(BIN)/python examples/tied_weights.py
+
+test: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info

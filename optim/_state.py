@@ -1,0 +1,246 @@
+"""The optimiser state: `setup`, `State`, `Leaf` and the static `Layout` that `update` compiles against.
+
+A `State` is a pytree. Its leaves are the rules' hyperparameters and each parameter's optimiser state; its
+static part, the `Layout`, holds the model's treedef, every leaf's dotted path, the tie groups and the frozen
+flags. The layout is hashable and compares by value, so a fresh `setup` of an equal structure never makes a
+jitted function retrace; comparing a layout with itself is an identity check, so the per-call cost is nil.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._tree import PyTree, describe, flatten, is_trainable, show
+from ._ties import tie_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One real parameter: its canonical position, all tied positions, shape, dtype and rule index."""
+
+    canonical: int
+    members: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    rule: int = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Static description of a model as seen by a `State` (hashable, compares by value)."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    params: tuple[Param, ...]
+    frozen: tuple[bool, ...]
+
+    def __post_init__(self):
+        param_of = [-1] * len(self.paths)
+        for u, p in enumerate(self.params):
+            for i in p.members:
+                param_of[i] = u
+        object.__setattr__(self, "param_of", tuple(param_of))
+        object.__setattr__(self, "index", {p: i for i, p in enumerate(self.paths)})
+        object.__setattr__(self, "_hash", hash((self.treedef, self.paths, self.params, self.frozen)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        if self is other:
+            return True
+        return (isinstance(other, Layout) and self._hash == other._hash and self.treedef == other.treedef
+                and self.paths == other.paths and self.params == other.params and self.frozen == other.frozen)
+
+    def param(self, path: str) -> int:
+        """The index of the parameter at dotted `path` (any member of a tie group)."""
+        i = self.index.get(path)
+        if i is None:
+            raise PathError(f"{show(path)} is not a leaf path of the model{_suggest(path, self.paths)}")
+        u = self.param_of[i]
+        if u < 0:
+            raise PathError(f"{show(path)} is not a trainable leaf (only floating or complex arrays have state)")
+        return u
+
+    def match(self, pattern: str) -> list[int]:
+        """Parameters with a member path equal to, below, or fnmatch-matching `pattern`."""
+        hits = set()
+        for i, p in enumerate(self.paths):
+            if self.param_of[i] >= 0 and (p == pattern or p.startswith(pattern + ".") or pattern == ""
+                                          or fnmatch.fnmatchcase(p, pattern)):
+                hits.add(self.param_of[i])
+        return sorted(hits)
+
+
+class PathError(ValueError, KeyError):
+    """A dotted path that does not name what it should. A `ValueError` (and a `KeyError` for `state[...]`)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _suggest(path: str, paths: tuple[str, ...]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(path, paths, n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """The optimiser state of one parameter: its rule, the rule's state and whether it is frozen."""
+
+    rule: Any
+    state: Any
+    frozen: bool = False
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class State:
+    """Optimiser state for a whole model; build it with `optim.setup`.
+
+    `state[path]` returns the `Leaf` of the parameter at a dotted path (any member of a tie group gives the
+    canonical parameter's leaf). The state is a pytree: pass it through `jax.jit`, `pmap`, `vmap` as usual.
+    """
+
+    __slots__ = ("layout", "rules", "leaves")
+
+    def __init__(self, layout: Layout, rules: tuple, leaves: tuple):
+        self.layout = layout
+        self.rules = rules      # one entry per distinct rule; Param.rule indexes into it
+        self.leaves = leaves    # one optimiser state per parameter, in Layout.params order
+
+    def tree_flatten_with_keys(self):
+        k = jax.tree_util.GetAttrKey
+        return ((k("rules"), self.rules), (k("leaves"), self.leaves)), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(layout, *children)
+
+    @property
+    def rule(self) -> Any:
+        """The rule, when the whole model uses one."""
+        if len(self.rules) != 1:
+            raise ValueError("this state uses several rules; look one up with state[path].rule")
+        return self.rules[0]
+
+    def __getitem__(self, path: str) -> Leaf:
+        if not isinstance(path, str):
+            raise TypeError(f"state[...] takes a dotted path string, got {type(path).__name__}")
+        u = self.layout.param(path)
+        p = self.layout.params[u]
+        return Leaf(self.rules[p.rule], self.leaves[u], self.layout.frozen[u])
+
+    def __contains__(self, path: str) -> bool:
+        i = self.layout.index.get(path)
+        return i is not None and self.layout.param_of[i] >= 0
+
+    def paths(self) -> list[str]:
+        """The canonical path of every parameter, in flatten order."""
+        return [self.layout.paths[p.canonical] for p in self.layout.params]
+
+    def items(self) -> Iterator[tuple[str, Leaf]]:
+        """`(canonical_path, Leaf)` for every parameter."""
+        for path in self.paths():
+            yield path, self[path]
+
+    def ties(self) -> dict[str, tuple[str, ...]]:
+        """`{canonical_path: (other tied paths, ...)}` for every group of more than one position."""
+        paths = self.layout.paths
+        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:])
+                for p in self.layout.params if len(p.members) > 1}
+
+    def __len__(self) -> int:
+        return len(self.layout.params)
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        lines = [f"State({len(lay.params)} parameters, {sum(len(p.members) for p in lay.params)} positions)"]
+        for u, p in enumerate(lay.params):
+            shapes = jax.tree.map(lambda a: describe(a), self.leaves[u])
+            flags = " frozen" if lay.frozen[u] else ""
+            tied = ""
+            if len(p.members) > 1:
+                tied = "  tied: " + ", ".join(lay.paths[i] for i in p.members[1:])
+            lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
+                         f"{self.rules[p.rule]!r} state={shapes}{flags}{tied}")
+        return "\n".join(lines)
+
+
+def _canonical_hyper(rule: Any) -> Any:
+    """Hyperparameters as strong-typed device scalars, so every later value (from `adjust`) has the same
+    abstract type and a jitted step never retraces."""
+
+    def conv(v):
+        if isinstance(v, (bool, np.bool_)):
+            return v
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            return jnp.asarray(v, jnp.int32)
+        if isinstance(v, (float, np.floating)) or (isinstance(v, np.ndarray) and v.ndim == 0):
+            return jnp.asarray(v, jax.dtypes.canonicalize_dtype(jnp.float64))
+        return v
+
+    return jax.tree.map(conv, rule)
+
+
+def _check_rule(rule: Any) -> None:
+    if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))):
+        raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
+
+
+def setup(rule: Any, model: PyTree, *, ties: Mapping[str, str] | None = None) -> State:
+    """Initialise optimiser state for every trainable leaf of `model`.
+
+    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group); `ties`
+    adds explicit ones, `{path: canonical_path}`. Trainable leaves are jax / numpy arrays of a floating or
+    complex dtype; everything else is carried through `update` untouched.
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.ones(3)
+    >>> state = optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "step": 0})
+    >>> state.ties()
+    {'emb': ('head',)}
+    """
+    _check_rule(rule)
+    paths, leaves, treedef = flatten(model)
+    seen: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        if p in seen:
+            raise ValueError(f"setup: two leaves share the dotted path {show(p)}; dotted paths name leaves in "
+                             "freeze/thaw/ties/state[...], so they must be unique (rename a dict key)")
+        seen[p] = i
+    trainable = [is_trainable(x) for x in leaves]
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
+                      "which jit does not preserve. Call setup outside jit.", stacklevel=2)
+    groups = tie_groups(paths, leaves, trainable, ties)
+    if not groups:
+        warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
+                      stacklevel=2)
+    params = tuple(Param(c, members, tuple(leaves[c].shape), jnp.dtype(leaves[c].dtype))
+                   for c, members in groups.items())
+    layout = Layout(treedef, tuple(paths), params, (False,) * len(params))
+    rule = _canonical_hyper(rule)
+    states = []
+    for p in params:
+        try:
+            states.append(rule.init(jnp.asarray(leaves[p.canonical])))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"setup: at {show(paths[p.canonical])}: {e}") from e
+    return State(layout, (rule,), tuple(states))
+
+
+def with_frozen(state: State, params: list[int], value: bool) -> State:
+    frozen = list(state.layout.frozen)
+    for u in params:
+        frozen[u] = value
+    lay = state.layout
+    return State(Layout(lay.treedef, lay.paths, lay.params, tuple(frozen)), state.rules, state.leaves)

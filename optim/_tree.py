@@ -1,0 +1,74 @@
+"""Dotted paths, leaf classification and structure checks shared by every module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key).strip(".[]'\"")
+
+
+def dotted(keypath: tuple) -> str:
+    """`(DictKey('layers'), SequenceKey(0), GetAttrKey('w'))` -> `'layers.0.w'`."""
+    return ".".join(_key_name(k) for k in keypath)
+
+
+def show(path: str) -> str:
+    """A path as error messages print it (the root has the empty path)."""
+    return repr(path) if path else "<root>"
+
+
+def flatten(tree: PyTree, is_leaf=None) -> tuple[list[str], list[Any], Any]:
+    """Flatten `tree` into dotted paths, leaves and treedef (JAX's flatten order)."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [dotted(kp) for kp, _ in pairs], [leaf for _, leaf in pairs], treedef
+
+
+def is_trainable(x: Any) -> bool:
+    """A trainable leaf is a jax or numpy array with a floating or complex dtype."""
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def describe(x: Any) -> str:
+    """A short description of a leaf for error messages and reprs."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+    return type(x).__name__
+
+
+def prefixes(path: str) -> list[str]:
+    """Every ancestor of a dotted path, the root ('') first, the path itself last."""
+    parts = path.split(".") if path else []
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def structure_diff(expected: list[str], got: list[str]) -> str:
+    """Explain how two lists of leaf paths differ, for structure-mismatch errors."""
+    missing = [p for p in expected if p not in set(got)]
+    extra = [p for p in got if p not in set(expected)]
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(show(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else ""))
+    if extra:
+        parts.append("unexpected " + ", ".join(show(p) for p in extra[:5]) + (" ..." if len(extra) > 5 else ""))
+    if not parts:
+        for a, b in zip(expected, got):
+            if a != b:
+                return f"leaf order differs at {show(a)} / {show(b)}"
+        return "the container types differ (same leaf paths)"
+    return "; ".join(parts)
