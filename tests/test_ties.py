@@ -1,0 +1,160 @@
+"""Ties: identity-derived and explicit tie groups (Optimisers.jl F11, F12, F14, F19 and more)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optim
+
+
+def arr(*v):
+    return jnp.array(v, dtype=jnp.float32)
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+# F11: w=[1,2], m=(w, (copy(w), w)), Momentum(.1), a fresh state for each case.
+@pytest.mark.parametrize("grads, tied, copy", [
+    ((arr(3, 3), (arr(10, 10), arr(7, 7))), [0, 1], [0, 1]),
+    ((arr(3, 3), None), [.7, 1.7], [1, 2]),
+    ((None, (arr(5, 5), arr(7, 7))), [.3, 1.3], [.5, 1.5]),
+])
+def test_f11_tied_and_copied(grads, tied, copy):
+    w = arr(1, 2)
+    model = (w, (jnp.array(w), w))
+    state = optim.setup(optim.Momentum(0.1), model)
+    assert len(state) == 2 and state.ties() == {"0": ("1.1",)}
+    _, new = optim.update(state, model, grads)
+    close(new[0], tied)
+    close(new[1][1], tied)
+    close(new[1][0], copy)
+    assert new[0] is new[1][1]
+
+
+def test_f12_scalar_array_tied_at_three_depths():
+    s = jnp.array([3.0], jnp.float32)
+    model = {"a": s, "b": {"c": s}, "d": [[s, 1]]}
+    state = optim.setup(optim.Momentum(0.1, 0.9), model)
+    g = jnp.array([48.0])
+    _, new = optim.update(state, model, {"a": g, "b": {"c": g}, "d": [[g, None]]})
+    close(new["a"], [-11.4])
+    assert new["a"] is new["b"]["c"] is new["d"][0][0]
+    _, new = optim.update(state, model, {"a": g / 2, "b": None, "d": [[g / 2, None]]})
+    close(new["b"]["c"], [-1.8])
+    assert new["a"] is new["b"]["c"] is new["d"][0][0]
+
+
+def test_f14_explicit_tie_two_steps():
+    a, b, c, d = (arr(1, 2) for _ in range(4))
+    model = {"a": a, "b": b, "c": c, "d": d}
+    state = optim.setup(optim.Momentum(0.1), model, ties={"b": "a"})
+    assert state.ties() == {"a": ("b",)}
+    assert state["b"] == state["a"]
+    g = {"a": arr(3, 3), "b": arr(7, 7), "c": arr(3, 3), "d": arr(10, 10)}
+    for _ in range(2):
+        state, model = optim.update(state, model, g)
+    for k in "abd":
+        close(model[k], [-1.9, -0.9])
+    close(model["c"], [.13, 1.13])
+    assert model["a"] is model["b"]
+
+
+def test_explicit_tie_canonical_is_target_and_value_comes_from_it():
+    model = {"emb": arr(1, 1), "head": arr(5, 5)}
+    state = optim.setup(optim.Descent(1.0), model, ties={"emb": "head"})
+    assert state.paths() == ["head"] and state.ties() == {"head": ("emb",)}
+    _, new = optim.update(state, model, {"emb": arr(1, 1), "head": arr(1, 1)})
+    close(new["emb"], [3, 3])           # the canonical value (head) minus the summed gradient
+    assert new["emb"] is new["head"]
+
+
+def test_explicit_and_identity_ties_merge():
+    w = arr(1, 2)
+    model = {"a": w, "b": w, "c": arr(1, 2)}
+    state = optim.setup(optim.Descent(0.1), model, ties={"c": "b"})
+    assert len(state) == 1
+    _, new = optim.update(state, model, {"a": arr(1, 1), "b": arr(1, 1), "c": arr(1, 1)})
+    close(new["a"], [.7, 1.7])
+    assert new["a"] is new["b"] is new["c"]
+
+
+def test_chained_explicit_ties_resolve_to_the_final_target():
+    model = {"a": arr(1.), "b": arr(2.), "c": arr(3.)}
+    state = optim.setup(optim.Descent(0.1), model, ties={"a": "b", "b": "c"})
+    assert state.paths() == ["c"] and set(state.ties()["c"]) == {"a", "b"}
+
+
+@pytest.mark.parametrize("ties, match", [
+    ({"x": "b"}, "'x' is not a leaf"),
+    ({"a": "n"}, "'n' is not trainable"),
+    ({"a": "v"}, "same shape and dtype"),
+    ({"a": "h"}, "same shape and dtype"),
+])
+def test_bad_explicit_ties(ties, match):
+    model = {"a": arr(1, 2), "b": arr(1, 2), "n": 3, "v": arr(1, 2, 3), "h": jnp.ones(2, jnp.float16)}
+    with pytest.raises(ValueError, match=match):
+        optim.setup(optim.Descent(0.1), model, ties=ties)
+
+
+def test_transformed_tie_is_refused_clearly():
+    with pytest.raises(TypeError, match="transformed ties"):
+        optim.setup(optim.Descent(), {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2))},
+                    ties={"b": ("a", jnp.transpose)})
+
+
+def test_f19_preshared_gradient_convention():
+    # Optimisers.jl #193: a gradient given at every tied position is summed (one per position, as jax.grad
+    # produces); a gradient that is already summed goes at the canonical path with None elsewhere.
+    s = arr(1.0)
+    model = {"x": s, "y": s}
+    state = optim.setup(optim.Descent(0.1), model)
+    g = arr(1.0)
+    _, new = optim.update(state, model, {"x": g, "y": g})
+    close(new["x"], [.8])
+    _, new = optim.update(state, model, {"x": g, "y": None})
+    close(new["y"], [.9])
+
+
+def test_same_subtree_object_twice_ties_all_its_leaves():
+    layer = {"w": arr(1, 2), "b": arr(0.5)}
+    model = {"l1": layer, "l2": layer}
+    state = optim.setup(optim.Adam(0.1), model)
+    assert len(state) == 2
+    assert state.ties() == {"l1.b": ("l2.b",), "l1.w": ("l2.w",)}
+
+
+def test_numpy_leaves_tie_by_identity():
+    w = np.ones(3, np.float32)
+    state = optim.setup(optim.Descent(0.1), [w, w, np.ones(3, np.float32)])
+    assert len(state) == 2
+
+
+def test_tied_adam_matches_untied_with_summed_gradient():
+    # The anchors' case from jax-ecosystem.md: loss sum(enc^2) - 10 sum(dec), adam(0.1), 3 steps.
+    w = arr(1, 2, 3)
+    model = {"enc": w, "dec": w}
+    loss = lambda m: jnp.sum(m["enc"] ** 2) - 10 * jnp.sum(m["dec"])
+    state = optim.setup(optim.Adam(0.1), model)
+    for _ in range(3):
+        state, model = optim.update(state, model, jax.grad(loss)(model))
+    np.testing.assert_allclose(model["dec"], [1.2997, 2.2996, 3.2994], atol=1e-4)
+    assert model["enc"] is model["dec"]
+
+
+def test_ties_survive_jit_via_static_tie_map():
+    w = arr(1, 2)
+    model = {"a": w, "b": w}
+    state = optim.setup(optim.Momentum(0.1), model)
+    step = jax.jit(optim.update)
+    for _ in range(3):
+        state, model = step(state, model, {"a": arr(1, 1), "b": arr(2, 0)})
+    assert model["a"] is not model["b"]        # jit returns separate buffers ...
+    close(model["a"], model["b"])               # ... that stay equal, because the state knows the tie
+    eager_state = optim.setup(optim.Momentum(0.1), {"a": w, "b": w})
+    m = {"a": w, "b": w}
+    for _ in range(3):
+        eager_state, m = optim.update(eager_state, m, {"a": arr(1, 1), "b": arr(2, 0)})
+    close(model["a"], m["a"])

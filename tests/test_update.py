@@ -1,0 +1,283 @@
+"""update: semantics (Optimisers.jl F1, F3, F5, F8, F10), None vs zero, bad input, jit / vmap / pmap."""
+
+import collections
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optim
+
+
+def arr(*v, dtype=jnp.float32):
+    return jnp.array(v, dtype=dtype)
+
+
+def close(a, b, **kw):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, **kw)
+
+
+def test_f1_descent_and_momentum_leave_inputs_alone():
+    m = (arr(1, 2),)
+    g = (arr(25, 33),)
+    state = optim.setup(optim.Descent(0.1), m)
+    _, new = optim.update(state, m, g)
+    close(new[0], [-1.5, -1.3])
+    close(m[0], [1, 2])
+    state = optim.setup(optim.Momentum(0.1), m)
+    new_state, _ = optim.update(state, m, g)
+    close(new_state["0"].state, [2.5, 3.3])
+    close(state["0"].state, [0, 0])
+
+
+def test_f3_dicts_and_non_array_leaves():
+    m = {"a": arr(1, 2), "b": arr(3, 4), "c": 1}
+    state = optim.setup(optim.AdamW(0.1), m)
+    assert "c" not in state and len(state) == 2
+    g = jax.grad(lambda m: jnp.sum(m["a"] ** 2), allow_int=True)(m)
+    _, new = optim.update(state, m, g)
+    close(new["a"], [.9, 1.9])
+    close(new["b"], [3, 4])
+    assert new["c"] == 1
+    C = collections.namedtuple("C", "c")
+    m = {2: {"a": C(arr(3, 4))}}
+    state = optim.setup(optim.AdamW(0.1), m)
+    assert state.paths() == ["2.a.c"]
+    _, new = optim.update(state, m, jax.grad(lambda m: jnp.sum(m[2]["a"].c))(m))
+    close(new[2]["a"].c, [2.9, 3.9])
+
+
+def test_f5_deeply_nested_with_missing_branches_and_scalars():
+    m = {"a": [arr(1, 2), 3, "s", None, (arr(5.0), np.int32(4))], "b": {"c": {"d": jnp.zeros(3, jnp.int32)}}}
+    state = optim.setup(optim.Momentum(0.1, 0.9), m)
+    assert state.paths() == ["a.0", "a.4.0"]
+    g = {"a": [arr(1, 1), None, None, None, (None, None)], "b": None}
+    _, new = optim.update(state, m, g)
+    close(new["a"][0], [.9, 1.9])
+    assert new["a"][4][0] is m["a"][4][0]
+    assert new["b"]["c"]["d"] is m["b"]["c"]["d"] and new["a"][1:4] == [3, "s", None]
+
+
+def test_f8_freeze_adjust_thaw():
+    m = {"x": arr(1, 2), "y": (arr(3, 4), jnp.sin)}
+    state = optim.freeze(optim.setup(optim.Descent(0.1), m), "y")
+    g = {"x": arr(1, 10), "y": (arr(100, 1000), None)}
+    state, m = optim.update(state, m, g)
+    close(m["x"], [.9, 1])
+    close(m["y"][0], [3, 4])
+    state = optim.thaw(optim.adjust(state, 0.2))
+    state, m = optim.update(state, m, g)
+    close(m["y"][0], [-17, -196])
+    close(m["x"], [.7, -1])
+    with pytest.raises(TypeError, match="optimiser state, not the model"):
+        optim.freeze(m)
+
+
+def test_f10_update_needs_a_gradient():
+    m = {"x": arr(1.0)}
+    with pytest.raises(TypeError):
+        optim.update(optim.setup(optim.Descent(), m), m)
+
+
+def test_none_vs_zero_gradient():
+    m = {"x": arr(1.0)}
+    state = optim.setup(optim.Adam(0.1), m)
+    zs, zm = optim.update(state, m, {"x": arr(0.0)})
+    ns, nm = optim.update(state, m, {"x": None})
+    assert not np.allclose(zs["x"].state[2][0], state["x"].state[2][0])   # bt advanced
+    assert ns["x"].state is state["x"].state and nm["x"] is m["x"]
+    ns, nm = optim.update(state, m, None)                                  # None for the whole tree
+    assert nm["x"] is m["x"] and ns["x"].state is state["x"].state
+
+
+def test_frozen_member_freezes_group_and_keeps_state():
+    w = arr(1, 2)
+    m = {"a": w, "b": w, "c": arr(1.0)}
+    state = optim.freeze(optim.setup(optim.Momentum(0.1), m), "b")
+    assert state["a"].frozen
+    s2, m2 = optim.update(state, m, {"a": arr(1, 1), "b": arr(1, 1), "c": arr(1.0)})
+    assert m2["a"] is w and m2["b"] is w and s2["a"].state is state["a"].state
+    close(m2["c"], [.9])
+
+
+def test_freeze_patterns_and_all():
+    m = {"enc": {"l0": arr(1.0), "l1": arr(1.0)}, "head": arr(1.0)}
+    s = optim.setup(optim.Descent(), m)
+    assert [p for p, l in optim.freeze(s, "enc").items() if l.frozen] == ["enc.l0", "enc.l1"]
+    assert [p for p, l in optim.freeze(s, "enc.*1").items() if l.frozen] == ["enc.l1"]
+    assert all(l.frozen for _, l in optim.freeze(s).items())
+    assert not any(l.frozen for _, l in optim.thaw(optim.freeze(s)).items())
+    with pytest.raises(ValueError, match="'en' matches no trainable path"):
+        optim.freeze(s, "en")        # a prefix must end at a dot
+    with pytest.raises(ValueError, match="matches no trainable path"):
+        optim.thaw(s, "decoder")
+
+
+# ----------------------------------------------------------------------------------------- bad input
+def _model():
+    return {"w": arr(1, 2), "b": arr(0.5), "n": 3}
+
+
+@pytest.mark.parametrize("grads, exc, match", [
+    ({"w": arr(1, 1), "b": arr(1.0)}, ValueError, "no entry for 'n'"),
+    ({"w": arr(1, 1), "b": arr(1.0), "n": None, "z": arr(1.0)}, ValueError, "'z', which is not a path"),
+    ({"w": arr(1, 1, 1), "b": arr(1.0), "n": None}, ValueError, "gradient at 'w' has shape"),
+    ({"w": jnp.array([1, 1]), "b": arr(1.0), "n": None}, TypeError, "gradient at 'w' has dtype int32"),
+    ({"w": arr(1, 1), "b": jnp.array([1j], jnp.complex64), "n": None}, TypeError, "'b' is complex"),
+    ([arr(1, 1), arr(1.0), None], ValueError, "has a leaf"),
+])
+def test_bad_gradients_raise_before_anything_runs(grads, exc, match):
+    m = _model()
+    state = optim.setup(optim.Momentum(0.1), m)
+    before = copy.deepcopy(jax.tree.map(np.asarray, (state.leaves, m)))
+    with pytest.raises(exc, match=match):
+        optim.update(state, m, grads)
+    with pytest.raises(exc, match=match):
+        jax.jit(optim.update)(state, m, grads)
+    after = jax.tree.map(np.asarray, (state.leaves, m))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_gradient_leaf_where_model_has_subtree():
+    m = {"a": {"x": arr(1.0)}}
+    state = optim.setup(optim.Descent(), m)
+    with pytest.raises(ValueError, match="at 'a', where the model has a subtree"):
+        optim.update(state, m, {"a": arr(1.0)})
+
+
+def test_state_for_a_different_model():
+    state = optim.setup(optim.Descent(), _model())
+    with pytest.raises(ValueError, match="missing 'b'"):
+        optim.update(state, {"w": arr(1, 2), "n": 3}, {"w": arr(1, 1), "n": None})
+    other = {"w": arr(1, 2, 3), "b": arr(0.5), "n": 3}
+    with pytest.raises(ValueError, match="model leaf 'w' is float32\\[3\\].*float32\\[2\\]"):
+        optim.update(state, other, {"w": arr(1, 1, 1), "b": arr(1.0), "n": None})
+    with pytest.raises(TypeError, match="expected the State"):
+        optim.update(_model(), _model(), _model())
+
+
+def test_tied_member_shape_is_checked_too():
+    w = arr(1, 2)
+    state = optim.setup(optim.Descent(), {"a": w, "b": w})
+    with pytest.raises(ValueError, match="model leaf 'b'"):
+        optim.update(state, {"a": w, "b": arr(1, 2, 3)}, {"a": arr(1, 1), "b": None})
+
+
+def test_state_getitem_errors():
+    state = optim.setup(optim.Descent(), _model())
+    with pytest.raises(ValueError, match="'x' is not a leaf path"):
+        state["x"]
+    with pytest.raises(KeyError):
+        state["ww"]
+    with pytest.raises(ValueError, match="'n' is not a trainable leaf"):
+        state["n"]
+    with pytest.raises(ValueError, match="did you mean 'w'"):
+        state["w2"]
+
+
+def test_non_rule_and_duplicate_paths():
+    with pytest.raises(TypeError, match="not a rule"):
+        optim.setup("adam", _model())
+    with pytest.raises(ValueError, match="share the dotted path 'a.b'"):
+        optim.setup(optim.Descent(), {"a.b": arr(1.0), "a": {"b": arr(1.0)}})
+
+
+def test_setup_warns_on_no_trainable_leaves():
+    with pytest.warns(UserWarning, match="no trainable leaves"):
+        optim.setup(optim.Adam(), {"n": 1, "i": jnp.arange(3)})
+
+
+# ----------------------------------------------------------------------------------------- transforms
+def test_adjust_and_fresh_setup_never_retrace():
+    traces = []
+
+    @jax.jit
+    def step(state, m, x):
+        traces.append(1)
+        g = jax.grad(lambda m: jnp.sum((m["w"] * x) ** 2), allow_int=True)(m)   # float0 for "n"
+        return optim.update(state, m, g)
+
+    m = {"w": arr(1, 2), "n": 1}
+    state = optim.setup(optim.OptimiserChain(optim.ClipNorm(1.0), optim.Adam(1e-2)), m)
+    x = arr(1.0, 1.0)
+    state, m2 = step(state, m, x)
+    state = optim.adjust(state, lr=1e-4, max_norm=2.0, beta=(0.8, 0.9))
+    state, m2 = step(state, m2, x)
+    state, m2 = step(optim.setup(optim.OptimiserChain(optim.ClipNorm(1.0), optim.Adam(1e-2)), m), m2, x)
+    assert len(traces) == 1
+    # and the adjusted value is used
+    s = optim.adjust(optim.setup(optim.Descent(1.0), {"w": arr(1.0), "n": 1}), 0.5)
+    _, out = step(s, {"w": arr(1.0), "n": 1}, arr(1.0))
+    close(out["w"], [0.0])
+
+
+def test_eager_equals_jit_and_eager_compiles_once_per_structure():
+    m = {"a": arr(1, 2), "b": [arr(3.0), 4]}
+    g = {"a": arr(0.1, 0.2), "b": [arr(0.3), None]}
+    s1, m1 = optim.update(optim.setup(optim.Adam(0.1), m), m, g)
+    s2, m2 = jax.jit(optim.update)(optim.setup(optim.Adam(0.1), m), m, g)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), (s1, m1), (s2, m2))
+    from optim import _update
+    before = _update._core_jit._cache_size()
+    for _ in range(3):
+        s1, m1 = optim.update(s1, m1, g)
+    optim.update(optim.setup(optim.Adam(0.1), m), m, g)     # a fresh, equal state: no new compile
+    assert _update._core_jit._cache_size() == before
+
+
+def test_vmap_over_independent_models():
+    ms = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+    gs = {"w": jnp.array([[1.0, 1.0], [2.0, -1.0]])}
+    state = optim.setup(optim.Adam(0.1), {"w": ms["w"][0]})
+    states = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    new_states, new_ms = jax.vmap(optim.update)(states, ms, gs)
+    for i in range(2):
+        s, mi = optim.update(state, {"w": ms["w"][i]}, {"w": gs["w"][i]})
+        close(new_ms["w"][i], mi["w"])
+        close(new_states["w"].state[0][i], s["w"].state[0])
+
+
+def test_pmap_single_device_with_ties():
+    w = arr(1, 2)
+    m = {"a": w, "b": w}
+    state = optim.setup(optim.Momentum(0.1), m)
+    rep = lambda t: jax.tree.map(lambda x: jnp.stack([x]), t)
+    g = {"a": arr(1, 1), "b": arr(1, 0)}
+    s, out = jax.pmap(optim.update)(rep(state), rep(m), rep(g))
+    close(out["a"][0], [0.8, 1.9])
+    close(out["b"][0], out["a"][0])
+
+
+def test_donate_reuses_buffers_only_when_asked():
+    m = {"w": jnp.ones(1000), "v": jnp.ones(1000)}
+    state = optim.setup(optim.Momentum(0.1), m)
+    g = {"w": jnp.ones(1000), "v": jnp.ones(1000)}
+    s1, m1 = optim.update(state, m, g)
+    assert not m["w"].is_deleted() and not state["w"].state.is_deleted()
+    s2, m2 = optim.update(s1, m1, g, donate=True)
+    close(m2["w"][:2], [1 - 0.1 - 0.19] * 2)
+    assert m1["w"].is_deleted() and s1["w"].state.is_deleted()
+
+
+def test_donate_with_ties_donates_each_buffer_once():
+    w = jnp.ones(100)
+    m = {"a": w, "b": w}
+    state = optim.setup(optim.Descent(0.1), m)
+    _, out = optim.update(state, m, {"a": jnp.ones(100), "b": jnp.ones(100)}, donate=True)
+    close(out["a"][:1], [0.8])
+    assert out["a"] is out["b"]
+
+
+def test_equinox_module_with_filter_grad():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.PRNGKey(0))
+    state = optim.setup(optim.Adam(1e-2), model)
+    x = jnp.ones((8, 2))
+    loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+    l0 = loss(model)
+    for _ in range(5):
+        state, model = optim.update(state, model, eqx.filter_grad(loss)(model))
+    assert loss(model) < l0
+    assert isinstance(model, eqx.nn.MLP)
