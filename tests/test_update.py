@@ -219,12 +219,17 @@ def test_eager_equals_jit_and_eager_compiles_once_per_structure():
     s1, m1 = optim.update(optim.setup(optim.Adam(0.1), m), m, g)
     s2, m2 = jax.jit(optim.update)(optim.setup(optim.Adam(0.1), m), m, g)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), (s1, m1), (s2, m2))
-    from optim import _update
-    before = _update._core_jit._cache_size()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *a, **k: compiles.append(event) if event.endswith("backend_compile_duration") else None)
     for _ in range(3):
         s1, m1 = optim.update(s1, m1, g)
     optim.update(optim.setup(optim.Adam(0.1), m), m, g)     # a fresh, equal state: no new compile
-    assert _update._core_jit._cache_size() == before
+    assert compiles == []
+    optim.update(s1, {"a": m["a"], "b": [m["b"][0], 5]}, g)  # another int value: not part of the program
+    assert compiles == []
+    optim.update(s1, m1, {"a": None, "b": [m["b"][0], None]})  # another None pattern: one new program
+    assert len(compiles) == 1
 
 
 def test_vmap_over_independent_models():
@@ -255,7 +260,8 @@ def test_donate_reuses_buffers_only_when_asked():
     state = optim.setup(optim.Momentum(0.1), m)
     g = {"w": jnp.ones(1000), "v": jnp.ones(1000)}
     s1, m1 = optim.update(state, m, g)
-    assert not m["w"].is_deleted() and not state["w"].state.is_deleted()
+    s1b, _ = optim.update(s1, m1, g)
+    assert not m["w"].is_deleted() and not m1["w"].is_deleted() and not s1["w"].state.is_deleted()
     s2, m2 = optim.update(s1, m1, g, donate=True)
     close(m2["w"][:2], [1 - 0.1 - 0.19] * 2)
     assert m1["w"].is_deleted() and s1["w"].state.is_deleted()
