@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -34,21 +35,23 @@ class Param:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-    """Static description of a model as seen by a `State` (hashable, compares by value)."""
+    """Static description of a model as seen by a `State` (hashable, compares by value).
+
+    Dotted paths are derived from the treedef the first time something needs a name (errors, `freeze`,
+    `state[path]`, repr), so `setup` needs only JAX's C++ flatten.
+    """
 
     treedef: Any
-    paths: tuple[str, ...]
     params: tuple[Param, ...]
     frozen: tuple[bool, ...]
 
     def __post_init__(self):
-        param_of = [-1] * len(self.paths)
+        param_of = [-1] * self.treedef.num_leaves
         for u, p in enumerate(self.params):
             for i in p.members:
                 param_of[i] = u
         object.__setattr__(self, "param_of", tuple(param_of))
-        object.__setattr__(self, "index", {p: i for i, p in enumerate(self.paths)})
-        object.__setattr__(self, "_hash", hash((self.treedef, self.paths, self.params, self.frozen)))
+        object.__setattr__(self, "_hash", hash((self.treedef, self.params, self.frozen)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -57,7 +60,16 @@ class Layout:
         if self is other:
             return True
         return (isinstance(other, Layout) and self._hash == other._hash and self.treedef == other.treedef
-                and self.paths == other.paths and self.params == other.params and self.frozen == other.frozen)
+                and self.params == other.params and self.frozen == other.frozen)
+
+    @functools.cached_property
+    def paths(self) -> tuple[str, ...]:
+        """The dotted path of every leaf position, in flatten order."""
+        return tuple(leaf_paths(self.treedef))
+
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.paths)}
 
     def param(self, path: str) -> int:
         """The index of the parameter at dotted `path` (any member of a tie group)."""
@@ -210,13 +222,8 @@ def setup(rule: Any, model: PyTree, *, ties: Mapping[str, str] | None = None) ->
     {'emb': ('head',)}
     """
     _check_rule(rule)
-    paths, leaves, treedef = flatten(model)
-    seen: dict[str, int] = {}
-    for i, p in enumerate(paths):
-        if p in seen:
-            raise ValueError(f"setup: two leaves share the dotted path {show(p)}; dotted paths name leaves in "
-                             "freeze/thaw/ties/state[...], so they must be unique (rename a dict key)")
-        seen[p] = i
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    paths = _LazyPaths(treedef)
     trainable = [is_trainable(x) for x in leaves]
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
@@ -227,13 +234,41 @@ def setup(rule: Any, model: PyTree, *, ties: Mapping[str, str] | None = None) ->
                       stacklevel=2)
     params = tuple(Param(c, members, tuple(leaves[c].shape), jnp.dtype(leaves[c].dtype))
                    for c, members in groups.items())
-    layout = Layout(treedef, tuple(paths), params, (False,) * len(params))
+    layout = Layout(treedef, params, (False,) * len(params))
+    if paths.computed is not None:
+        layout.__dict__["paths"] = paths.computed
     rule = _canonical_hyper(rule)
-    states = _init_states(rule, [leaves[p.canonical] for p in params], [paths[p.canonical] for p in params])
+    states = _init_states(rule, [leaves[p.canonical] for p in params], [p.canonical for p in params], paths)
     return State(layout, (rule,), tuple(states))
 
 
-def _init_states(rule: Any, xs: list, paths: list[str]) -> list:
+class _LazyPaths:
+    """Dotted paths of a treedef's leaves, computed (and checked for duplicates) on first use."""
+
+    def __init__(self, treedef):
+        self.treedef, self.computed = treedef, None
+
+    def __getitem__(self, i):
+        if self.computed is None:
+            self.computed = tuple(leaf_paths(self.treedef))
+        return self.computed[i]
+
+    def __iter__(self):
+        return iter([self[i] for i in range(self.treedef.num_leaves)])
+
+
+def leaf_paths(treedef) -> list[str]:
+    """Dotted paths of every leaf of `treedef`; they must be unique to name leaves."""
+    paths = flatten(treedef.unflatten([0] * treedef.num_leaves))[0]
+    if len(set(paths)) != len(paths):
+        seen = set()
+        dup = next(p for p in paths if p in seen or seen.add(p))
+        raise ValueError(f"two leaves share the dotted path {show(dup)}; dotted paths name leaves in "
+                         "freeze/thaw/ties/state[...], so they must be unique (rename a dict key)")
+    return paths
+
+
+def _init_states(rule: Any, xs: list, where: list[int], paths: Any) -> list:
     """`rule.init(x)` for every parameter, batched per (shape, dtype) group.
 
     An init that does not read the parameter's values (zeros, constants: every built-in rule but
@@ -262,7 +297,7 @@ def _init_states(rule: Any, xs: list, paths: list[str]) -> list:
                 for i in idx:
                     out[i] = rule.init(jnp.asarray(xs[i]))
         except (TypeError, ValueError) as e:
-            raise type(e)(f"setup: at {show(paths[idx[0]])}: {e}") from e
+            raise type(e)(f"setup: at {show(paths[where[idx[0]]])}: {e}") from e
     return out
 
 
@@ -270,10 +305,15 @@ def _local(x: Any) -> bool:
     """A numpy array, or a concrete jax array on the default device."""
     if isinstance(x, np.ndarray):
         return True
-    try:
-        return x.devices() == {jax.devices()[0]}
-    except Exception:
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or isinstance(x, jax.core.Tracer):
         return False
+    return sharding == _default_sharding()
+
+
+@functools.cache
+def _default_sharding():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def _reads_nothing(fn: Callable, x: jax.Array) -> bool:
@@ -288,4 +328,4 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
     for u in params:
         frozen[u] = value
     lay = state.layout
-    return State(Layout(lay.treedef, lay.paths, lay.params, tuple(frozen)), state.rules, state.leaves)
+    return State(Layout(lay.treedef, lay.params, tuple(frozen)), state.rules, state.leaves)

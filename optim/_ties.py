@@ -12,10 +12,22 @@ from typing import Any, Mapping
 from ._tree import describe, show
 
 
-def tie_groups(paths: list[str], leaves: list[Any], trainable: list[bool],
+def tie_groups(paths: Any, leaves: list[Any], trainable: list[bool],
                ties: Mapping[str, str] | None = None) -> dict[int, tuple[int, ...]]:
     """Map each canonical position to its group's positions (canonical first, then flatten order)."""
-    parent = {i: i for i, t in enumerate(trainable) if t}
+    first: dict[int, int] = {}
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trainable):
+        if t:
+            groups.setdefault(first.setdefault(id(leaves[i]), i), []).append(i)
+    if not ties:
+        return {c: tuple(m) for c, m in groups.items()}
+    return _merge_explicit(groups, paths, leaves, trainable, ties)
+
+
+def _merge_explicit(groups: dict[int, list[int]], paths: Any, leaves: list[Any], trainable: list[bool],
+                    ties: Mapping[str, str]) -> dict[int, tuple[int, ...]]:
+    parent = {i: c for c, members in groups.items() for i in members}
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -23,42 +35,31 @@ def tie_groups(paths: list[str], leaves: list[Any], trainable: list[bool],
             i = parent[i]
         return i
 
-    first_by_id: dict[int, int] = {}
-    for i in parent:
-        j = first_by_id.setdefault(id(leaves[i]), i)
-        if j != i:
-            parent[find(i)] = find(j)
-
+    index = {p: i for i, p in enumerate(paths)}
     targets: set[int] = set()
-    if ties:
-        index = {p: i for i, p in enumerate(paths)}
-        for src, dst in ties.items():
-            if not isinstance(dst, str):
-                raise TypeError(f"ties[{src!r}]: expected a dotted path string, got {type(dst).__name__} "
-                                "(transformed ties such as (path, jnp.transpose) are not supported yet)")
-            for p in (src, dst):
-                if p not in index:
-                    raise ValueError(f"ties: {show(p)} is not a leaf of the model")
-                if not trainable[index[p]]:
-                    raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])}); "
-                                     "only floating or complex arrays can be tied")
-            a, b = leaves[index[src]], leaves[index[dst]]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(f"ties: {show(src)} ({describe(a)}) and {show(dst)} ({describe(b)}) "
-                                 "must have the same shape and dtype to be one parameter")
-            parent[find(index[src])] = find(index[dst])
-            targets.add(index[dst])
+    for src, dst in ties.items():
+        if not isinstance(dst, str):
+            raise TypeError(f"ties[{src!r}]: expected a dotted path string, got {type(dst).__name__} "
+                            "(transformed ties such as (path, jnp.transpose) are not supported yet)")
+        for p in (src, dst):
+            if p not in index:
+                raise ValueError(f"ties: {show(p)} is not a leaf of the model")
+            if not trainable[index[p]]:
+                raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])}); "
+                                 "only floating or complex arrays can be tied")
+        a, b = leaves[index[src]], leaves[index[dst]]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"ties: {show(src)} ({describe(a)}) and {show(dst)} ({describe(b)}) "
+                             "must have the same shape and dtype to be one parameter")
+        parent[find(index[src])] = find(index[dst])
+        targets.add(index[dst])
 
-    groups: dict[int, list[int]] = {}
-    for i in parent:
-        groups.setdefault(find(i), []).append(i)
+    merged: dict[int, list[int]] = {}
+    for i in sorted(parent):
+        merged.setdefault(find(i), []).append(i)
     out = {}
-    for members in groups.values():
-        explicit = [i for i in members if i in targets and not _is_source(i, ties, paths)]
-        canon = min(explicit) if explicit else min(members)
+    for members in merged.values():
+        explicit = [i for i in members if i in targets and paths[i] not in ties]
+        canon = min(explicit) if explicit else members[0]
         out[canon] = (canon,) + tuple(i for i in members if i != canon)
     return dict(sorted(out.items()))
-
-
-def _is_source(i: int, ties: Mapping[str, str] | None, paths: list[str]) -> bool:
-    return bool(ties) and paths[i] in ties

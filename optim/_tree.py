@@ -39,9 +39,18 @@ def flatten(tree: PyTree, is_leaf=None) -> tuple[list[str], list[Any], Any]:
     return [dotted(kp) for kp, _ in pairs], [leaf for _, leaf in pairs], treedef
 
 
+_INEXACT: dict = {}
+
+
 def is_trainable(x: Any) -> bool:
     """A trainable leaf is a jax or numpy array with a floating or complex dtype."""
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        return False
+    dt = x.dtype
+    ok = _INEXACT.get(dt)
+    if ok is None:  # jnp.issubdtype costs microseconds; setup asks once per leaf
+        ok = _INEXACT[dt] = bool(jnp.issubdtype(dt, jnp.inexact))
+    return ok
 
 
 def describe(x: Any) -> str:

@@ -130,7 +130,7 @@ def _program(lay: Layout, trees: tuple) -> Program:
         take.append(tuple(order))
         paths.append(tuple(gpaths[j] for j in order))
         slots.append(tuple(per_param))
-    n_new, n_leaves = len(active), len(lay.paths)
+    n_new, n_leaves = len(active), lay.treedef.num_leaves
     out_src = list(range(n_new, n_new + n_leaves))
     state_src = [n_new + u for u in range(len(lay.params))]
     for a, u in enumerate(active):
@@ -143,9 +143,10 @@ def _program(lay: Layout, trees: tuple) -> Program:
                    tuple(paths), tuple(slots), tuple(out_src), tuple(state_src))
 
 
-def _check_param(x: Any, path: str, p) -> None:
+def _check_param(x: Any, lay: Layout, i: int) -> None:
+    p = lay.params[lay.param_of[i]]
     if not hasattr(x, "shape") or tuple(x.shape) != p.shape or jnp.dtype(x.dtype) != p.dtype:
-        raise ValueError(f"update: model leaf {show(path)} is {describe(x)} but the state was set up for "
+        raise ValueError(f"update: model leaf {show(lay.paths[i])} is {describe(x)} but the state was set up for "
                          f"{jnp.dtype(p.dtype).name}{list(p.shape)} (a state set up for a different model?)")
 
 
@@ -168,11 +169,11 @@ def _prep_grad(g: Any, x: jax.Array, path: str) -> jax.Array:
 def _core(prog: Program, rules: tuple, states: tuple, params: tuple, checks: tuple, grads: tuple):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
-        _check_param(x, lay.paths[i], lay.params[lay.param_of[i]])
+        _check_param(x, lay, i)
     new_states, new_params = [], []
     for a, u in enumerate(prog.active):
         p, x = lay.params[u], params[a]
-        _check_param(x, lay.paths[p.canonical], p)
+        _check_param(x, lay, p.canonical)
         dxs = []
         for t, tree in enumerate(grads):
             parts = [_prep_grad(tree[k], x, prog.grad_paths[t][k]) for k in prog.grad_slots[t][a]]
