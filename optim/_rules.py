@@ -261,12 +261,12 @@ def _moments(beta, m, v, dx, x):
 
 
 def _bt_init(beta, x):
-    return _betas(beta, x)
+    # The running powers (β₁ᵗ, β₂ᵗ) as one array: one buffer and one kernel per parameter instead of two.
+    return jnp.stack(_betas(beta, x))
 
 
 def _bt_next(bt, beta, x):
-    b1, b2 = _betas(beta, x)
-    return bt[0] * b1, bt[1] * b2
+    return bt * jnp.stack(_betas(beta, x))
 
 
 class Adam(Rule):
