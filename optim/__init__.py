@@ -13,18 +13,21 @@
 from ._adjust import adjust, freeze, thaw
 from ._destructure import destructure, trainables
 from ._rules import (
-    AccumGrad, AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Gated,
-    Lion, MixedPrecision, Momentum, NAdam, Nesterov, OAdam, OptimiserChain, RAdam, Replace, RMSProp, Rprop, Rule,
-    SignDecay, WeightDecay, apply_step, chain,
+    AccumGrad, AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGlobalNorm, ClipGrad, ClipNorm,
+    Descent, Gated, Lion, MixedPrecision, Momentum, Muon, NAdam, Nesterov, OAdam, OptimiserChain, RAdam, Replace,
+    RMSProp, Rprop, Rule, SignDecay, SkipNonFinite, WeightDecay, apply_all, apply_step, chain, global_norm,
 )
+from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
 from ._state import Layout, Leaf, PathError, State, setup
-from ._update import update
+from ._update import tie_grads, update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "adjust", "freeze", "thaw", "trainables", "destructure",
-    "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step",
+    "setup", "update", "tie_grads", "adjust", "freeze", "thaw", "trainables", "destructure",
+    "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
+    "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",
+    "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
     "ClipNorm", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",

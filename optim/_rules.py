@@ -22,11 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._tree import register_struct, struct_repr
+
 __all__ = [
     "Rule", "Gated", "Replace", "apply_step",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
+    "ClipNorm", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
+    "Muon", "apply_all", "global_norm",
 ]
 
 
@@ -79,25 +82,7 @@ class Rule:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        dataclasses.dataclass(frozen=True, repr=False)(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
-        data = tuple(n for n in names if n not in cls._static)
-        meta = tuple(n for n in names if n in cls._static)
-
-        def flatten_with_keys(rule):
-            children = [(jax.tree_util.GetAttrKey(n), getattr(rule, n)) for n in data]
-            return children, tuple(getattr(rule, n) for n in meta)
-
-        def unflatten(aux, children):
-            # Bypass __init__: JAX rebuilds rules with tracers or placeholders as leaves.
-            rule = object.__new__(cls)
-            for n, v in zip(data, children):
-                object.__setattr__(rule, n, v)
-            for n, v in zip(meta, aux):
-                object.__setattr__(rule, n, v)
-            return rule
-
-        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten)
+        register_struct(cls, cls._static)
 
     def __post_init__(self):
         for name in self._nonneg:
@@ -115,31 +100,22 @@ class Rule:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        def fmt(v):
-            if isinstance(v, tuple):
-                return "(" + ", ".join(fmt(u) for u in v) + ")"
-            if isinstance(v, (jax.Array, np.ndarray)) and v.ndim == 0:
-                try:
-                    v = v.item()
-                except Exception:  # a tracer: show it as it is
-                    pass
-            if isinstance(v, float):
-                return f"{v:g}"
-            if isinstance(v, type) or isinstance(v, np.dtype):
-                return jnp.dtype(v).name
-            return repr(v)
-
-        args = ", ".join(f"{f.name}={fmt(getattr(self, f.name))}" for f in dataclasses.fields(self))
-        return f"{type(self).__name__}({args})"
+        return struct_repr(self)
 
 
 def _real(x: jax.Array):
     return jnp.finfo(x.dtype).dtype
 
 
+def _compute(x: jax.Array):
+    """The dtype rules compute in: the parameter's real dtype, but at least float32 (in bfloat16 β₂ = 0.999
+    rounds to 1 and Adam's bias correction divides by zero). States keep their own storage dtype."""
+    return jnp.promote_types(_real(x), jnp.float32)
+
+
 def _hp(v: Any, x: jax.Array) -> jax.Array:
-    """A hyperparameter cast to the (real) dtype of the parameter, as Optimisers.jl does."""
-    return jnp.asarray(v, dtype=_real(x))
+    """A hyperparameter in the compute dtype of the parameter (Optimisers.jl casts to the parameter's dtype)."""
+    return jnp.asarray(v, dtype=_compute(x))
 
 
 def _eps(eps: Any, x: jax.Array) -> jax.Array:
@@ -358,7 +334,7 @@ class AdaGrad(Rule):
     _nonneg = ("lr", "eps")
 
     def init(self, x):
-        return jnp.full(x.shape, _hp(self.eps, x))
+        return jnp.full(x.shape, self.eps, _real(x))
 
     def apply(self, acc, x, dx, *dxs):
         acc = acc + _abs2(dx)
@@ -395,7 +371,7 @@ class AMSGrad(Rule):
 
     def init(self, x):
         e = _hp(self.eps, x)
-        return jnp.full(x.shape, e, x.dtype), jnp.full(x.shape, e), jnp.full(x.shape, e)
+        return jnp.full(x.shape, e, x.dtype), jnp.full(x.shape, e, _real(x)), jnp.full(x.shape, e, _real(x))
 
     def apply(self, state, x, dx, *dxs):
         m, v, vmax = state
@@ -558,11 +534,35 @@ class ClipNorm(Rule):
         return state, dx * jnp.minimum(_hp(self.max_norm, x) / n, 1)
 
 
+def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
+    """Run `rule` on several parameters at once: `dxs[i]` is the tuple of gradients of parameter `i`.
+
+    Rules that look across parameters (`ClipGlobalNorm`, `SkipNonFinite`, chains containing them) implement
+    `apply_tree(states, xs, dxs)`; every other rule runs independently on each parameter.
+    """
+    if hasattr(rule, "apply_tree"):
+        return rule.apply_tree(states, xs, dxs)
+    out = [rule.apply(s, x, *d) for s, x, d in zip(states, xs, dxs)]
+    return [o[0] for o in out], [o[1] for o in out]
+
+
+def _one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
+    """`apply` for one parameter, in terms of `apply_tree`."""
+    states, steps = rule.apply_tree([state], [x], [dxs])
+    return states[0], steps[0]
+
+
+def _gate(new: Any, old: Any, ok: Any) -> Any:
+    return new if ok is None else jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
 class OptimiserChain(Rule):
     """Apply rules in sequence, each to the previous one's step: `OptimiserChain(ClipGrad(1), Adam())`.
 
     A stage that returns no step (`None`) stops the chain; a `Gated` step (from `AccumGrad`) makes every later
     stage keep its state where the gate is closed, without branching. An empty chain acts like `Descent(1)`.
+    The chain runs stage by stage across all parameters, so a stage that looks at the whole model
+    (`ClipGlobalNorm`) sees the steps of the stages before it.
     """
 
     rules: tuple = ()
@@ -582,23 +582,29 @@ class OptimiserChain(Rule):
         return tuple(r.init(x) for r in self.rules)
 
     def apply(self, states, x, dx, *dxs):
-        new, ok, step = [], None, dx
-        for rule, st in zip(self.rules, states):
-            if step is None:                       # an earlier stage returned no step: keep later states
-                new.append(st)
-                continue
-            st2, step = rule.apply(st, x, step, *dxs)
-            if ok is not None:
-                st2 = jax.tree.map(lambda a, b: jnp.where(ok, a, b), st2, st)
-            new.append(st2)
-            if isinstance(step, Gated):
-                ok = step.ok if ok is None else ok & step.ok
-                step = step.step
-            if isinstance(step, Replace):
-                raise TypeError(f"{type(rule).__name__} replaces the parameter and must be the outermost rule")
-        if step is not None and ok is not None:
-            step = Gated(step, ok)
-        return tuple(new), step
+        return _one(self, states, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        n = len(xs)
+        new = [list(s) for s in states]
+        steps = [d[0] for d in dxs]
+        oks: list = [None] * n
+        for k, rule in enumerate(self.rules):
+            live = [i for i in range(n) if steps[i] is not None]    # stages after a None step are skipped
+            if not live:
+                break
+            got_states, got_steps = apply_all(rule, [states[i][k] for i in live], [xs[i] for i in live],
+                                              [(steps[i], *dxs[i][1:]) for i in live])
+            for i, st, step in zip(live, got_states, got_steps):
+                new[i][k] = _gate(st, states[i][k], oks[i])
+                if isinstance(step, Gated):
+                    oks[i] = step.ok if oks[i] is None else oks[i] & step.ok
+                    step = step.step
+                if isinstance(step, Replace):
+                    raise TypeError(f"{type(rule).__name__} replaces the parameter and must be the outermost rule")
+                steps[i] = step
+        out = [Gated(st, ok) if st is not None and ok is not None else st for st, ok in zip(steps, oks)]
+        return [tuple(s) for s in new], out
 
     def __repr__(self):
         return "OptimiserChain(" + ", ".join(map(repr, self.rules)) + ")"
@@ -656,7 +662,106 @@ class MixedPrecision(Rule):
         return xt, self.rule.init(xt)
 
     def apply(self, state, x, dx, *dxs):
-        xt, st = state
-        st, step = self.rule.apply(st, xt, dx.astype(self.dtype), *(d.astype(self.dtype) for d in dxs))
-        xt = apply_step(xt, step)
-        return (xt, st), Replace(xt.astype(x.dtype))
+        return _one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        masters = [s[0] for s in states]
+        inner, steps = apply_all(self.rule, [s[1] for s in states], masters,
+                                 [tuple(d.astype(self.dtype) for d in ds) for ds in dxs])
+        new_masters = [apply_step(m, st) for m, st in zip(masters, steps)]
+        return ([(m, st) for m, st in zip(new_masters, inner)],
+                [Replace(m.astype(x.dtype)) for m, x in zip(new_masters, xs)])
+
+
+# ------------------------------------------------------------------------------------- whole-model rules
+def global_norm(dxs: list) -> jax.Array:
+    """The 2-norm of several arrays taken together, accumulated in float32 or wider."""
+    total = sum((jnp.sum(_abs2(d).astype(jnp.promote_types(_real(d), jnp.float32))) for d in dxs),
+                jnp.zeros((), jnp.float32))
+    return jnp.sqrt(total)
+
+
+class ClipGlobalNorm(Rule):
+    """Rescale all gradients together so that their joint 2-norm is at most `max_norm`: `g · min(ω / ‖g‖, 1)`.
+
+    The norm counts each parameter once, with the summed gradient of its tie group (optax's
+    `clip_by_global_norm` counts a tied weight once per position). Put it first in a chain:
+    `OptimiserChain(ClipGlobalNorm(1.0), AdamW(3e-4))`. Parameters with a `None` gradient do not count.
+    """
+
+    max_norm: Any = 1.0
+    _nonneg = ("max_norm",)
+
+    def apply(self, state, x, dx, *dxs):
+        return _one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        g = [d[0] for d in dxs]
+        norm = global_norm(g)
+        return list(states), [d * jnp.minimum(_hp(self.max_norm, d) / norm.astype(_real(d)), 1) for d in g]
+
+
+class SkipNonFinite(Rule):
+    """Skip the whole step when any gradient has a NaN or Inf: the model and every parameter's state are left
+    as they were (branch-free), and the state counts the skipped steps. Wrap the whole rule:
+    `SkipNonFinite(OptimiserChain(ClipGlobalNorm(1.0), Adam()))`.
+    """
+
+    rule: Any = None
+
+    def __init__(self, rule: Any):
+        object.__setattr__(self, "rule", rule)
+
+    def init(self, x):
+        return self.rule.init(x), jnp.zeros((), jnp.int32)
+
+    def apply(self, state, x, dx, *dxs):
+        return _one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for ds in dxs for d in ds]))
+        inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
+        new = [(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32)) for st, s in zip(inner, states)]
+        return new, [None if st is None else Gated(st, ok) for st in steps]
+
+
+# ------------------------------------------------------------------------------------- Muon
+def _newton_schulz(g: jax.Array, steps: int, eps: jax.Array) -> jax.Array:
+    """Approximately orthogonalise a matrix (the quintic Newton-Schulz iteration of Muon)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (jnp.sqrt(jnp.sum(_abs2(g))) + eps)
+    tall = g.shape[0] > g.shape[1]
+    if tall:
+        x = x.T
+    for _ in range(steps):
+        m = x @ jnp.conj(x).T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if tall else x
+
+
+class Muon(Rule):
+    """Muon (Jordan et al. 2024) for matrices: momentum `m ← ρ m + g`, the Nesterov direction `u = g + ρ m`
+    (or `m`), then `step = η · max(1, rows/cols)^½ · NS₅(u)` where NS₅ orthogonalises `u` by five quintic
+    Newton-Schulz iterations. 2-D parameters only: pair it with AdamW for the rest, e.g.
+    `optim.setup(lambda path, x: optim.Muon(0.02) if x.ndim == 2 else optim.AdamW(3e-4), model)`.
+    """
+
+    lr: Any = 0.02
+    rho: Any = 0.95
+    eps: Any = 1e-7
+    nesterov: bool = True
+    steps: int = 5
+    _static = ("nesterov", "steps")
+    _nonneg = ("lr", "rho", "eps")
+
+    def init(self, x):
+        if x.ndim != 2:
+            raise TypeError(f"Muon needs a 2-D parameter, got shape {tuple(x.shape)}; give it another rule")
+        return jnp.zeros_like(x)
+
+    def apply(self, m, x, dx, *dxs):
+        rho = _hp(self.rho, x)
+        m = rho * m + dx
+        u = dx + rho * m if self.nesterov else m
+        scale = max(1.0, x.shape[0] / x.shape[1]) ** 0.5
+        return m, _hp(self.lr, x) * scale * _newton_schulz(u, self.steps, _hp(self.eps, x))

@@ -31,6 +31,8 @@ class Param:
     shape: tuple[int, ...]
     dtype: np.dtype
     rule: int = 0
+    # Positions that hold f(canonical) rather than the canonical array itself: ((position, f, shape, dtype), ...)
+    transforms: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,7 +50,7 @@ class Layout:
     def __post_init__(self):
         param_of = [-1] * self.treedef.num_leaves
         for u, p in enumerate(self.params):
-            for i in p.members:
+            for i in p.members + tuple(t[0] for t in p.transforms):
                 param_of[i] = u
         object.__setattr__(self, "param_of", tuple(param_of))
         object.__setattr__(self, "_hash", hash((self.treedef, self.params, self.frozen)))
@@ -122,16 +124,17 @@ class State:
     canonical parameter's leaf). The state is a pytree: pass it through `jax.jit`, `pmap`, `vmap` as usual.
     """
 
-    __slots__ = ("layout", "rules", "leaves")
+    __slots__ = ("layout", "rules", "leaves", "step")
 
-    def __init__(self, layout: Layout, rules: tuple, leaves: tuple):
+    def __init__(self, layout: Layout, rules: tuple, leaves: tuple, step: Any):
         self.layout = layout
         self.rules = rules      # one entry per distinct rule; Param.rule indexes into it
         self.leaves = leaves    # one optimiser state per parameter, in Layout.params order
+        self.step = step        # number of update calls so far: what schedules are evaluated at
 
     def tree_flatten_with_keys(self):
         k = jax.tree_util.GetAttrKey
-        return ((k("rules"), self.rules), (k("leaves"), self.leaves)), self.layout
+        return ((k("rules"), self.rules), (k("leaves"), self.leaves), (k("step"), self.step)), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
@@ -142,14 +145,14 @@ class State:
         """The rule, when the whole model uses one."""
         if len(self.rules) != 1:
             raise ValueError("this state uses several rules; look one up with state[path].rule")
-        return self.rules[0]
+        return unwrap(self.rules[0])
 
     def __getitem__(self, path: str) -> Leaf:
         if not isinstance(path, str):
             raise TypeError(f"state[...] takes a dotted path string, got {type(path).__name__}")
         u = self.layout.param(path)
         p = self.layout.params[u]
-        return Leaf(self.rules[p.rule], self.leaves[u], self.layout.frozen[u])
+        return Leaf(unwrap(self.rules[p.rule]), self.leaves[u], self.layout.frozen[u])
 
     def __contains__(self, path: str) -> bool:
         i = self.layout.index.get(path)
@@ -167,8 +170,8 @@ class State:
     def ties(self) -> dict[str, tuple[str, ...]]:
         """`{canonical_path: (other tied paths, ...)}` for every group of more than one position."""
         paths = self.layout.paths
-        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:])
-                for p in self.layout.params if len(p.members) > 1}
+        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:]) + tuple(paths[t[0]] for t in p.transforms)
+                for p in self.layout.params if len(p.members) + len(p.transforms) > 1}
 
     def __len__(self) -> int:
         return len(self.layout.params)
@@ -180,21 +183,40 @@ class State:
             shapes = jax.tree.map(lambda a: describe(a), self.leaves[u])
             flags = " frozen" if lay.frozen[u] else ""
             tied = ""
-            if len(p.members) > 1:
-                tied = "  tied: " + ", ".join(lay.paths[i] for i in p.members[1:])
+            if len(p.members) + len(p.transforms) > 1:
+                tied = "  tied: " + ", ".join([lay.paths[i] for i in p.members[1:]]
+                                              + [f"{lay.paths[t[0]]} = {_fname(t[1])}(·)" for t in p.transforms])
             lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
-                         f"{self.rules[p.rule]!r} state={shapes}{flags}{tied}")
+                         f"{unwrap(self.rules[p.rule])!r} state={shapes}{flags}{tied}")
         return "\n".join(lines)
+
+
+def _fname(f: Callable) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """A user rule that is not a pytree, carried as static data (compared by identity)."""
+
+    rule: Any
+
+
+def unwrap(rule: Any) -> Any:
+    return rule.rule if isinstance(rule, _Static) else rule
 
 
 def _canonical_hyper(rule: Any) -> Any:
     """Hyperparameters as strong-typed device scalars, so every later value (from `adjust`) has the same
-    abstract type and a jitted step never retraces."""
+    abstract type and a jitted step never retraces. A rule that is not a pytree is kept as static data."""
+    if jax.tree.leaves(rule) == [rule]:
+        return _Static(rule)
 
     def conv(v):
         if isinstance(v, (bool, np.bool_)):
             return v
-        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        if isinstance(v, (int, np.integer)):
             return jnp.asarray(v, jnp.int32)
         if isinstance(v, (float, np.floating)) or (isinstance(v, np.ndarray) and v.ndim == 0):
             return jnp.asarray(v, jax.dtypes.canonicalize_dtype(jnp.float64))
@@ -203,17 +225,35 @@ def _canonical_hyper(rule: Any) -> Any:
     return jax.tree.map(conv, rule)
 
 
-def _check_rule(rule: Any) -> None:
-    if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))):
-        raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
+def _is_rule(rule: Any) -> bool:
+    return callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))
 
 
-def setup(rule: Any, model: PyTree, *, ties: Mapping[str, str] | None = None) -> State:
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:   # rules holding arrays do not compare; treat them as distinct
+        return False
+
+
+RuleSpec = Any  # a rule, or a function (path, array) -> rule
+
+
+def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,
+          like: State | None = None) -> State:
     """Initialise optimiser state for every trainable leaf of `model`.
 
-    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group); `ties`
-    adds explicit ones, `{path: canonical_path}`. Trainable leaves are jax / numpy arrays of a floating or
-    complex dtype; everything else is carried through `update` untouched.
+    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group).
+    `ties` adds explicit ones: `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at
+    `path` is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through `f`,
+    and after each step it is recomputed as `f(new canonical)`). Trainable leaves are jax / numpy arrays of a
+    floating or complex dtype; everything else is carried through `update` untouched.
+
+    `rule` may be a function `(path, array) -> rule` choosing a rule per parameter (all members of a tie group
+    must get the same rule). `like=old_state` keeps the optimiser state of every parameter whose canonical path,
+    shape, dtype and state structure still match, for a model that grew or shrank (new parameters start fresh).
 
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.ones(3)
@@ -221,25 +261,109 @@ def setup(rule: Any, model: PyTree, *, ties: Mapping[str, str] | None = None) ->
     >>> state.ties()
     {'emb': ('head',)}
     """
-    _check_rule(rule)
+    if not _is_rule(rule) and not callable(rule):
+        raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
+    if like is not None and not isinstance(like, State):
+        raise TypeError(f"setup: like= takes a State, got {type(like).__name__}")
     leaves, treedef = jax.tree_util.tree_flatten(model)
     paths = _LazyPaths(treedef)
     trainable = [is_trainable(x) for x in leaves]
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
                       "which jit does not preserve. Call setup outside jit.", stacklevel=2)
-    groups = tie_groups(paths, leaves, trainable, ties)
+    plain = {k: v for k, v in (ties or {}).items() if isinstance(v, str)}
+    groups = tie_groups(paths, leaves, trainable, plain)
+    transforms = _transformed(ties or {}, groups, paths, leaves, trainable)
     if not groups:
         warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
                       stacklevel=2)
-    params = tuple(Param(c, members, tuple(leaves[c].shape), jnp.dtype(leaves[c].dtype))
-                   for c, members in groups.items())
+    rules, rule_of = _choose_rules(rule, groups, paths, leaves)
+    params = tuple(Param(c, members, tuple(leaves[c].shape), jnp.dtype(leaves[c].dtype), rule_of[c],
+                         transforms.get(c, ())) for c, members in groups.items())
     layout = Layout(treedef, params, (False,) * len(params))
     if paths.computed is not None:
         layout.__dict__["paths"] = paths.computed
-    rule = _canonical_hyper(rule)
-    states = _init_states(rule, [leaves[p.canonical] for p in params], [p.canonical for p in params], paths)
-    return State(layout, (rule,), tuple(states))
+    rules = tuple(_canonical_hyper(r) for r in rules)
+    states: list = [None] * len(params)
+    for k, r in enumerate(rules):
+        idx = [u for u, p in enumerate(params) if p.rule == k]
+        for u, st in zip(idx, _init_states(unwrap(r), [leaves[params[u].canonical] for u in idx],
+                                           [params[u].canonical for u in idx], paths)):
+            states[u] = st
+    if like is not None:
+        states = _keep_matching(like, layout, states)
+    return State(layout, rules, tuple(states), jnp.zeros((), jnp.int32))
+
+
+def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tuple[list, dict]:
+    if _is_rule(rule):
+        return [rule], {c: 0 for c in groups}
+    rules: list = []
+    rule_of = {}
+    for c, members in groups.items():
+        chosen = [rule(paths[i], leaves[i]) for i in members]
+        for i, r in zip(members, chosen):
+            if not _is_rule(r):
+                raise TypeError(f"setup: the rule function returned {r!r} for {show(paths[i])}, which is not a rule")
+            if not _same(r, chosen[0]):
+                raise ValueError(f"setup: {show(paths[c])} and {show(paths[i])} are tied (one parameter) but the rule "
+                                 f"function gives them different rules: {chosen[0]!r} and {r!r}")
+        k = next((k for k, r in enumerate(rules) if _same(r, chosen[0])), None)
+        if k is None:
+            k = len(rules)
+            rules.append(chosen[0])
+        rule_of[c] = k
+    return rules, rule_of
+
+
+def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list, trainable: list) -> dict:
+    """Explicit ties through a function: `{path: (canonical_path, f)}` -> {canonical: ((pos, f, shape, dtype),)}."""
+    out: dict = {}
+    if not any(not isinstance(v, str) for v in ties.values()):
+        return out
+    index = {p: i for i, p in enumerate(paths)}
+    canon_of = {i: c for c, members in groups.items() for i in members}
+    for src, spec in ties.items():
+        if isinstance(spec, str):
+            continue
+        if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and callable(spec[1])):
+            raise TypeError(f"ties[{src!r}]: expected a path or (path, function), got {spec!r}")
+        dst, f = spec
+        for p in (src, dst):
+            if p not in index:
+                raise PathError(f"ties: {show(p)} is not a leaf of the model{_suggest(p, tuple(paths))}")
+            if not trainable[index[p]]:
+                raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])})")
+        i, j = index[src], index[dst]
+        c = canon_of[j]
+        if len(groups.get(canon_of[i], ())) > 1 or canon_of[i] in out or i == c:
+            raise ValueError(f"ties: {show(src)} is already tied to other positions; a transformed tie needs a "
+                             "leaf of its own")
+        want = jax.eval_shape(f, jax.ShapeDtypeStruct(leaves[c].shape, leaves[c].dtype))
+        got = leaves[i]
+        if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
+            raise ValueError(f"ties: {show(src)} is {describe(got)} but {_fname(f)}({show(dst)}) is "
+                             f"{jnp.dtype(want.dtype).name}{list(want.shape)}")
+        out.setdefault(c, []).append((i, f, tuple(got.shape), jnp.dtype(got.dtype)))
+        del groups[canon_of[i]]
+    return {c: tuple(v) for c, v in out.items()}
+
+
+def _keep_matching(old: State, layout: Layout, fresh: list) -> list:
+    """State surgery: reuse `old`'s state where the canonical path, shape, dtype and state structure match."""
+    kept = list(fresh)
+    for u, p in enumerate(layout.params):
+        path = layout.paths[p.canonical]
+        if path not in old:
+            continue
+        v = old.layout.param(path)
+        q = old.layout.params[v]
+        same_tree = jax.tree.structure(old.leaves[v]) == jax.tree.structure(fresh[u])
+        if q.shape == p.shape and q.dtype == p.dtype and same_tree and all(
+                np.shape(a) == np.shape(b) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+                for a, b in zip(jax.tree.leaves(old.leaves[v]), jax.tree.leaves(fresh[u]))):
+            kept[u] = old.leaves[v]
+    return kept
 
 
 class _LazyPaths:
@@ -328,4 +452,4 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
     for u in params:
         frozen[u] = value
     lay = state.layout
-    return State(Layout(lay.treedef, lay.params, tuple(frozen)), state.rules, state.leaves)
+    return State(Layout(lay.treedef, lay.params, tuple(frozen)), state.rules, state.leaves, state.step)

@@ -81,3 +81,54 @@ def structure_diff(expected: list[str], got: list[str]) -> str:
                 return f"leaf order differs at {show(a)} / {show(b)}"
         return "the container types differ (same leaf paths)"
     return "; ".join(parts)
+
+
+def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
+    """Make `cls` a frozen dataclass and a pytree whose leaves are its non-`static` fields.
+
+    JAX rebuilds such objects with tracers or placeholders as leaves, so unflattening bypasses `__init__`
+    (and its validation).
+    """
+    import dataclasses
+
+    dataclasses.dataclass(frozen=True, repr=False)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    data = tuple(n for n in names if n not in static)
+    meta = tuple(n for n in names if n in static)
+
+    def flatten_with_keys(obj):
+        return [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data], tuple(getattr(obj, n) for n in meta)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for n, v in zip(data, children):
+            object.__setattr__(obj, n, v)
+        for n, v in zip(meta, aux):
+            object.__setattr__(obj, n, v)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten)
+    return cls
+
+
+def fmt_value(v: Any) -> str:
+    """A hyperparameter as reprs show it: concrete scalars as plain numbers."""
+    if isinstance(v, tuple):
+        return "(" + ", ".join(fmt_value(u) for u in v) + ")"
+    if isinstance(v, (jax.Array, np.ndarray)) and v.ndim == 0:
+        try:
+            v = v.item()
+        except Exception:  # a tracer: show it as it is
+            pass
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (type, np.dtype)):
+        return jnp.dtype(v).name
+    return repr(v)
+
+
+def struct_repr(obj: Any) -> str:
+    import dataclasses
+
+    args = ", ".join(f"{f.name}={fmt_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
+    return f"{type(obj).__name__}({args})"

@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rules import apply_step
-from ._state import Layout, State
+from ._rules import apply_all, apply_step
+from ._schedules import resolve
+from ._state import Layout, State, unwrap
 from ._tree import PyTree, describe, dotted, prefixes, show, structure_diff
 
 
@@ -32,13 +33,15 @@ def _take(seq, idx: tuple[int, ...]) -> tuple:
 @dataclasses.dataclass(frozen=True, eq=False)   # hashed by identity: programs are cached and reused
 class Program:
     layout: Layout
-    active: tuple[int, ...]               # parameters that step this call
-    param_pos: tuple[int, ...]            # model position read for each active parameter (its canonical)
+    graded: tuple[int, ...]               # parameters with a gradient in the first tree (frozen ones too)
+    active: tuple[int, ...]               # indices into `graded` of the parameters that step (not frozen)
+    param_pos: tuple[int, ...]            # model position read for each graded parameter (its canonical)
     check_pos: tuple[int, ...]            # every other trainable position, only to validate shapes
-    grad_take: tuple[tuple[int, ...], ...]            # per gradient tree: which flat gradient leaves to pass
-    grad_paths: tuple[tuple[str, ...], ...]           # ... and their dotted paths, for error messages
-    grad_slots: tuple[tuple[tuple[int, ...], ...], ...]  # per tree, per active parameter: indices into the above
-    out_src: tuple[int, ...]              # per model position: index into new_params + old leaves
+    grad_take: tuple[tuple[int, ...], ...]   # per gradient tree: which flat gradient leaves to pass
+    grad_paths: tuple[tuple[str, ...], ...]  # ... and their dotted paths, for error messages
+    # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
+    grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
+    out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
     state_src: tuple[int, ...]            # per parameter: index into new_states + old states
 
 
@@ -46,8 +49,8 @@ _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 _MAX_PROGRAMS = 256
 
 
-def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree,
-           donate: bool = False) -> tuple[State, PyTree]:
+def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
+           return_grads: bool = False) -> tuple:
     """Take one optimisation step: returns `(new_state, new_model)`; the inputs are not modified.
 
     For every parameter (tie group), the gradients of all its positions are summed, the rule runs once, and
@@ -57,30 +60,67 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree,
 
     Called eagerly it compiles itself once per structure; inside `jax.jit`, `pmap` or `vmap` it traces like
     any pure function. `donate=True` lets the eager call reuse the old state's and parameters' buffers (the
-    caller must not use them afterwards).
+    caller must not use them afterwards). `return_grads=True` also returns the summed gradients (see
+    `tie_grads`) as a third element.
     """
+    prog, leaves, treedef, flat = _plan(state, model, (grads, *more_grads), "update")
+    gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
+    run = _core_donated if donate else _core_jit
+    new_states, new_params, step, summed = run(
+        prog, return_grads, state.rules, _take(state.leaves, _take(prog.graded, prog.active)),
+        _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
+    new_leaves = _take(new_params + tuple(leaves), prog.out_src)
+    new_state = State(state.layout, state.rules, _take(new_states + state.leaves, prog.state_src), step)
+    if return_grads:
+        return new_state, treedef.unflatten(new_leaves), _grad_tree(prog, summed, treedef)
+    return new_state, treedef.unflatten(new_leaves)
+
+
+def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTree:
+    """The gradient of each parameter, summed over its tie group, in the model's structure: the summed
+    gradient at each canonical path and `None` at other tied positions, non-trainable leaves and parameters
+    without a gradient (Optimisers.jl #211). Feed it to `optax.global_norm` to log a norm that counts each
+    parameter once, or back to `update` as an already-summed gradient. `model` is needed only for ties
+    through a function (the pull-back is evaluated at the canonical value).
+    """
+    if model is None:
+        if any(p.transforms for p in state.layout.params):
+            raise ValueError("tie_grads: this state has ties through a function; pass model= to pull them back")
+        model = state.layout.treedef.unflatten([0] * state.layout.treedef.num_leaves)
+        params_needed = False
+    else:
+        params_needed = True
+    prog, leaves, treedef, flat = _plan(state, model, (grads,), "tie_grads", check_model=params_needed)
+    xs = _take(leaves, prog.param_pos) if params_needed else tuple(
+        jax.ShapeDtypeStruct(state.layout.params[u].shape, state.layout.params[u].dtype) for u in prog.graded)
+    summed = _sums_jit(prog, xs, (_take(flat[0], prog.grad_take[0]),))
+    return _grad_tree(prog, summed, treedef)
+
+
+def _grad_tree(prog: Program, summed: tuple, treedef) -> PyTree:
+    out: list = [None] * treedef.num_leaves
+    for g, u in zip(summed, prog.graded):
+        out[prog.layout.params[u].canonical] = g
+    return treedef.unflatten(out)
+
+
+def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool = True):
     if not isinstance(state, State):
-        raise TypeError(f"update: expected the State from optim.setup as first argument, got {type(state).__name__}")
+        raise TypeError(f"{who}: expected the State from optim.setup as first argument, got {type(state).__name__}")
     lay = state.layout
     leaves, treedef = jax.tree_util.tree_flatten(model)
-    if treedef != lay.treedef:
-        raise ValueError("update: the model does not have the structure this state was set up for: "
+    if check_model and treedef != lay.treedef:
+        raise ValueError(f"{who}: the model does not have the structure this state was set up for: "
                          + structure_diff(list(lay.paths), _paths(model)))
-    flat = [jax.tree_util.tree_flatten(g) for g in (grads, *more_grads)]
+    flat = [jax.tree_util.tree_flatten(g) for g in trees]
     key = (lay, *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
-        prog = _program(lay, (grads, *more_grads))
+        prog = _program(lay, trees, who)
         _PROGRAMS[key] = prog
         if len(_PROGRAMS) > _MAX_PROGRAMS:
             _PROGRAMS.popitem(last=False)
-    gs = tuple(_take(g, t) for (g, _), t in zip(flat, prog.grad_take))
-    run = _core_donated if donate else _core_jit
-    new_states, new_params = run(prog, state.rules, _take(state.leaves, prog.active),
-                                 _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs)
-    new_leaves = _take(new_params + tuple(leaves), prog.out_src)
-    new_state = State(lay, state.rules, _take(new_states + state.leaves, prog.state_src))
-    return new_state, treedef.unflatten(new_leaves)
+    return prog, leaves, treedef, [g for g, _ in flat]
 
 
 def _paths(tree: PyTree) -> list[str]:
@@ -104,86 +144,136 @@ def _grad_map(lay: Layout, grads: PyTree, which: str) -> tuple[dict[int, int], l
         i = lay.index.get(p)
         if i is None:
             where = "where the model has a subtree" if p in nodes else "which is not a path of the model"
-            raise ValueError(f"update: {which} has a leaf ({describe(g)}) at {show(p)}, {where}")
+            raise ValueError(f"{which} has a leaf ({describe(g)}) at {show(p)}, {where}")
         found[i] = len(gpaths) - 1
     for i, p in enumerate(lay.paths):
         if i not in found and not any(q in nones for q in prefixes(p)):
-            raise ValueError(f"update: {which} has no entry for {show(p)} (use None for 'no gradient'); "
+            raise ValueError(f"{which} has no entry for {show(p)} (use None for 'no gradient'); "
                              f"structure differs from the model: " + structure_diff(list(lay.paths), gpaths))
     return found, gpaths
 
 
-def _program(lay: Layout, trees: tuple) -> Program:
-    maps = [_grad_map(lay, g, "grads" if t == 0 else f"gradient tree {t + 1}") for t, g in enumerate(trees)]
-    members = [[i for i in p.members if i in maps[0][0]] for p in lay.params]
-    active = tuple(u for u, p in enumerate(lay.params) if members[u] and not lay.frozen[u])
+def _program(lay: Layout, trees: tuple, who: str) -> Program:
+    names = [f"{who}: grads"] + [f"{who}: gradient tree {t + 2}" for t in range(len(trees) - 1)]
+    maps = [_grad_map(lay, g, n) for g, n in zip(trees, names)]
+    positions = [[(i, None) for i in p.members] + [(t[0], t[1]) for t in p.transforms] for p in lay.params]
+    graded = tuple(u for u in range(len(lay.params)) if any(i in maps[0][0] for i, _ in positions[u]))
+    active = tuple(a for a, u in enumerate(graded) if not lay.frozen[u])
     take, paths, slots = [], [], []
     for found, gpaths in maps:
         order: dict[int, int] = {}
         per_param = []
-        for u in active:
-            idx = []
-            for i in lay.params[u].members:
-                if i in found:
-                    idx.append(order.setdefault(found[i], len(order)))
-            per_param.append(tuple(idx))
+        for u in graded:
+            per_param.append(tuple((order.setdefault(found[i], len(order)), f)
+                                   for i, f in positions[u] if i in found))
         take.append(tuple(order))
         paths.append(tuple(gpaths[j] for j in order))
         slots.append(tuple(per_param))
-    n_new, n_leaves = len(active), lay.treedef.num_leaves
-    out_src = list(range(n_new, n_new + n_leaves))
-    state_src = [n_new + u for u in range(len(lay.params))]
-    for a, u in enumerate(active):
+    # Outputs of _core: one new array per stepping parameter, then one per transformed member of those.
+    stepping = [graded[a] for a in active]
+    n_new = len(stepping) + sum(len(lay.params[u].transforms) for u in stepping)
+    out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
+    state_src = [len(stepping) + u for u in range(len(lay.params))]
+    extra = len(stepping)
+    for a, u in enumerate(stepping):
         state_src[u] = a
         for i in lay.params[u].members:
             out_src[i] = a
-    canon = {lay.params[u].canonical for u in active}
-    check = tuple(i for p in lay.params for i in p.members if i not in canon)
-    return Program(lay, active, tuple(lay.params[u].canonical for u in active), check, tuple(take),
+        for t in lay.params[u].transforms:
+            out_src[t[0]] = extra
+            extra += 1
+    canon = {lay.params[u].canonical for u in graded}
+    check = tuple(i for p in lay.params for i in p.members + tuple(t[0] for t in p.transforms) if i not in canon)
+    return Program(lay, graded, active, tuple(lay.params[u].canonical for u in graded), check, tuple(take),
                    tuple(paths), tuple(slots), tuple(out_src), tuple(state_src))
 
 
 def _check_param(x: Any, lay: Layout, i: int) -> None:
     p = lay.params[lay.param_of[i]]
-    if not hasattr(x, "shape") or tuple(x.shape) != p.shape or jnp.dtype(x.dtype) != p.dtype:
+    shape, dtype = p.shape, p.dtype
+    for t in p.transforms:
+        if t[0] == i:
+            shape, dtype = t[2], t[3]
+    if not hasattr(x, "shape") or tuple(x.shape) != shape or jnp.dtype(x.dtype) != dtype:
         raise ValueError(f"update: model leaf {show(lay.paths[i])} is {describe(x)} but the state was set up for "
-                         f"{jnp.dtype(p.dtype).name}{list(p.shape)} (a state set up for a different model?)")
+                         f"{jnp.dtype(dtype).name}{list(shape)} (a state set up for a different model?)")
 
 
-def _prep_grad(g: Any, x: jax.Array, path: str) -> jax.Array:
-    """Validate one gradient leaf against its parameter; conjugate for complex parameters (see `_rules`)."""
+def _prep_grad(g: Any, x: Any, path: str, f: Any) -> jax.Array:
+    """Validate one gradient leaf against its position and cast it to the parameter's dtype."""
     g = jnp.asarray(g)
+    want = jax.eval_shape(f, x) if f is not None else x
     if g.dtype == jax.dtypes.float0 or not jnp.issubdtype(g.dtype, jnp.inexact):
-        raise TypeError(f"update: gradient at {show(path)} has dtype {g.dtype}, expected a floating dtype "
-                        f"for the {describe(x)} parameter")
-    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(x):
-        raise TypeError(f"update: gradient at {show(path)} is complex but the parameter is real ({describe(x)})")
-    if g.shape != x.shape:
-        raise ValueError(f"update: gradient at {show(path)} has shape {tuple(g.shape)}, "
-                         f"expected {tuple(x.shape)} like the parameter")
-    if jnp.iscomplexobj(x):
-        g = jnp.conj(g)
-    return g.astype(x.dtype)
+        raise TypeError(f"gradient at {show(path)} has dtype {g.dtype}, expected a floating dtype "
+                        f"for the {describe(want)} parameter")
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(want.dtype, jnp.complexfloating):
+        raise TypeError(f"gradient at {show(path)} is complex but the parameter is real ({describe(want)})")
+    if g.shape != want.shape:
+        raise ValueError(f"gradient at {show(path)} has shape {tuple(g.shape)}, "
+                         f"expected {tuple(want.shape)} like the parameter")
+    return g.astype(want.dtype)
 
 
-def _core(prog: Program, rules: tuple, states: tuple, params: tuple, checks: tuple, grads: tuple):
+def _sums(prog: Program, xs: tuple, grads: tuple) -> list[tuple]:
+    """Per graded parameter, the summed gradient of each tree (tied positions summed; a position tied through
+    a function contributes its gradient pulled back through that function's VJP at the canonical value)."""
+    out = []
+    for a, x in enumerate(xs):
+        per_tree = []
+        for t, tree in enumerate(grads):
+            total = None
+            for k, f in prog.grad_slots[t][a]:
+                g = _prep_grad(tree[k], x, prog.grad_paths[t][k], f)
+                if f is not None:
+                    g = jax.vjp(f, x)[1](g)[0]
+                total = g if total is None else total + g
+            per_tree.append(jnp.zeros(x.shape, x.dtype) if total is None else total.astype(x.dtype))
+        out.append(tuple(per_tree))
+    return out
+
+
+def _same_dtypes(new: Any, old: Any) -> Any:
+    """Keep each state leaf's dtype (a rule computing in float32 must not turn a bfloat16 state into float32,
+    which would also retrace every step)."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        return new
+    return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") and n.dtype != o.dtype else n,
+                        new, old)
+
+
+def _core(prog: Program, want_grads: bool, rules: tuple, states: tuple, params: tuple, checks: tuple,
+          grads: tuple, step: Any):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
         _check_param(x, lay, i)
-    new_states, new_params = [], []
-    for a, u in enumerate(prog.active):
-        p, x = lay.params[u], params[a]
-        _check_param(x, lay, p.canonical)
-        dxs = []
-        for t, tree in enumerate(grads):
-            parts = [_prep_grad(tree[k], x, prog.grad_paths[t][k]) for k in prog.grad_slots[t][a]]
-            # Tied positions' gradients are summed on device: one parameter, one gradient.
-            dxs.append(sum(parts[1:], parts[0]) if parts else jnp.zeros_like(x))
-        st, step = rules[p.rule].apply(states[a], x, *dxs)
-        new_states.append(st)
-        new_params.append(apply_step(x, step))
-    return tuple(new_states), tuple(new_params)
+    for u, x in zip(prog.graded, params):
+        _check_param(x, lay, lay.params[u].canonical)
+    summed = _sums(prog, params, grads)
+    rules = resolve(tuple(unwrap(r) for r in rules), step)
+    by_rule: dict[int, list[int]] = {}
+    for j, a in enumerate(prog.active):
+        by_rule.setdefault(lay.params[prog.graded[a]].rule, []).append(j)
+    new_states: list = [None] * len(prog.active)
+    new_params: list = [None] * len(prog.active)
+    for r, js in by_rule.items():
+        xs = [params[prog.active[j]] for j in js]
+        # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
+        dxs = [tuple(jnp.conj(g) if jnp.iscomplexobj(g) else g for g in summed[prog.active[j]]) for j in js]
+        sts, steps = apply_all(rules[r], [states[j] for j in js], xs, dxs)
+        for j, x, st, d in zip(js, xs, sts, steps):
+            new_states[j] = _same_dtypes(st, states[j])
+            new_params[j] = apply_step(x, d)
+    copies = [t[1](new_params[j]) for j, a in enumerate(prog.active)
+              for t in lay.params[prog.graded[a]].transforms]
+    grads_out = tuple(s[0] for s in summed) if want_grads else ()
+    # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
+    return tuple(new_states), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out
 
 
-_core_jit = jax.jit(_core, static_argnums=0)
-_core_donated = jax.jit(_core, static_argnums=0, donate_argnums=(2, 3))
+def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
+    return tuple(s[0] for s in _sums(prog, xs, grads))
+
+
+_core_jit = jax.jit(_core, static_argnums=(0, 1))
+_core_donated = jax.jit(_core, static_argnums=(0, 1), donate_argnums=(3, 4))
+_sums_jit = jax.jit(_sums_core, static_argnums=0)

@@ -37,7 +37,7 @@ def test_layout_is_hashable_and_compares_by_value():
 def test_state_is_a_pytree_of_hyperparameters_and_states():
     s = optim.setup(optim.Adam(1e-3), {"w": jnp.ones(3)})
     leaves = jax.tree.leaves(s)
-    assert len(leaves) == 4 + 3      # lr, b1, b2, eps + m, v, (bt1, bt2)
+    assert len(leaves) == 4 + 3 + 1  # lr, b1, b2, eps + m, v, (bt1, bt2) + the step counter
     s2 = jax.tree.map(lambda x: x, s)
     assert s2.layout is s.layout
 

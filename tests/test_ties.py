@@ -99,10 +99,37 @@ def test_bad_explicit_ties(ties, match):
         optim.setup(optim.Descent(0.1), model, ties=ties)
 
 
-def test_transformed_tie_is_refused_clearly():
-    with pytest.raises(TypeError, match="transformed ties"):
-        optim.setup(optim.Descent(), {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2))},
-                    ties={"b": ("a", jnp.transpose)})
+def test_transformed_tie_matches_the_exact_gradient():
+    # head = emb.T: the model computes the copy inside the loss, which gives the exact gradient to compare with.
+    emb = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    x = jnp.array([1.0, 0.1])
+    loss_tied = lambda m: jnp.sum((m["emb"] @ jnp.log(m["head"] @ x + 7.0)) ** 2)
+    exact = lambda e: loss_tied({"emb": e, "head": e.T})
+    model = {"emb": emb, "head": emb.T}
+    state = optim.setup(optim.Descent(0.01), model, ties={"head": ("emb", jnp.transpose)})
+    assert state.ties() == {"emb": ("head",)} and len(state) == 1
+    e = emb
+    for _ in range(3):
+        state, model = optim.update(state, model, jax.grad(loss_tied)(model))
+        e = e - 0.01 * jax.grad(exact)(e)
+    close(model["emb"], e)
+    np.testing.assert_array_equal(model["head"], model["emb"].T)
+    # the same under jit
+    s2 = optim.setup(optim.Descent(0.01), {"emb": emb, "head": emb.T}, ties={"head": ("emb", jnp.transpose)})
+    m2 = {"emb": emb, "head": emb.T}
+    for _ in range(3):
+        s2, m2 = jax.jit(optim.update)(s2, m2, jax.grad(loss_tied)(m2))
+    close(m2["emb"], e)
+
+
+def test_transformed_tie_errors():
+    model = {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2)), "c": jnp.ones((2, 2))}
+    with pytest.raises(ValueError, match="'c' is float32\\[2, 2\\] but transpose\\('a'\\) is float32\\[3, 2\\]"):
+        optim.setup(optim.Descent(), model, ties={"c": ("a", jnp.transpose)})
+    with pytest.raises(TypeError, match="expected a path or \\(path, function\\)"):
+        optim.setup(optim.Descent(), model, ties={"b": ("a",)})
+    with pytest.raises(ValueError, match="'z' is not a leaf"):
+        optim.setup(optim.Descent(), model, ties={"b": ("z", jnp.transpose)})
 
 
 def test_f19_preshared_gradient_convention():
