@@ -19,12 +19,14 @@ from ._rules import (
 )
 from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
 from ._state import Layout, Leaf, PathError, State, setup
+from ._surgery import graft, reset, subtree
 from ._update import tie_grads, update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "tie_grads", "adjust", "freeze", "thaw", "trainables", "destructure",
+    "setup", "update", "tie_grads", "adjust", "freeze", "thaw", "reset", "subtree", "graft", "trainables",
+    "destructure",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine",

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ._rules import MixedPrecision, OptimiserChain, Rule
-from ._state import PathError, State, with_frozen
+from ._schedules import Schedule
+from ._state import PathError, State, canonical_numbers, with_frozen
 
 _MISSING = object()
 
@@ -62,6 +63,11 @@ def _fields(rules) -> set[str]:
 
 def _convert(new: Any, old: Any) -> Any:
     """`new` in the form of `old`: same dtype for array leaves, so that jit sees the same abstract type."""
+    if isinstance(new, Schedule) or isinstance(old, Schedule):
+        new = canonical_numbers(new)
+        if jax.tree.structure(new) == jax.tree.structure(old):    # same kind of schedule: data only
+            return jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype) if hasattr(o, "dtype") else n, new, old)
+        return new
     if isinstance(old, tuple):
         if not isinstance(new, (tuple, list)) or len(new) != len(old):
             raise ValueError(f"adjust: expected a tuple of {len(old)} values, got {new!r}")

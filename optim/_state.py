@@ -212,6 +212,11 @@ def _canonical_hyper(rule: Any) -> Any:
     abstract type and a jitted step never retraces. A rule that is not a pytree is kept as static data."""
     if jax.tree.leaves(rule) == [rule]:
         return _Static(rule)
+    return canonical_numbers(rule)
+
+
+def canonical_numbers(tree: Any) -> Any:
+    """Python and numpy numbers in `tree` as strong-typed device scalars (int32, or the default float)."""
 
     def conv(v):
         if isinstance(v, (bool, np.bool_)):
@@ -222,7 +227,7 @@ def _canonical_hyper(rule: Any) -> Any:
             return jnp.asarray(v, jax.dtypes.canonicalize_dtype(jnp.float64))
         return v
 
-    return jax.tree.map(conv, rule)
+    return jax.tree.map(conv, tree)
 
 
 def _is_rule(rule: Any) -> bool:

@@ -1,0 +1,90 @@
+"""State surgery: reset a parameter's state, take the state of a submodel, graft one back.
+
+`setup(rule, new_model, like=old_state)` (in `_state`) covers a model that grew or shrank; these cover the
+rest of gradual unfreezing and head replacement (Optimisers.jl #163 and its tied-weights discussion).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._state import Layout, Param, PathError, State, _init_states, _reads_nothing, unwrap
+from ._tree import PyTree, _key_name, show
+
+
+def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
+    """Re-initialise the optimiser state of the matching parameters (all with no pattern): zero momenta, restart
+    bias corrections. Rules whose state depends on the parameter's value (`MixedPrecision`) need `model`."""
+    from ._adjust import _select
+
+    chosen = _select(state, patterns, "reset")
+    lay = state.layout
+    leaves = lay.treedef.flatten_up_to(model) if model is not None else None
+    new = list(state.leaves)
+    for u in sorted(set(chosen)):
+        p = lay.params[u]
+        rule = unwrap(state.rules[p.rule])
+        if leaves is None and not _reads_nothing(rule.init, jnp.zeros(p.shape, p.dtype)):
+            raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
+                             "value; pass model=")
+        x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)
+        new[u] = _init_states(rule, [x], [p.canonical], lay.paths)[0]
+    return State(lay, state.rules, tuple(new), state.step)
+
+
+def _node_at(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split(".") if path else []:
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[0]
+        for kp, child in children:
+            if kp and _key_name(kp[0]) == part:
+                node = child
+                break
+        else:
+            raise PathError(f"{show(path)} is not a node of the model")
+    return node
+
+
+def subtree(state: State, path: str) -> State:
+    """The state of the submodel at dotted `path`, as `setup` would give for that submodel (sharing arrays).
+
+    A tie group reaching outside the submodel keeps its members inside it; a position tied through a function
+    whose canonical lies outside is an error.
+    """
+    lay = state.layout
+    full = lay.treedef.unflatten(list(range(lay.treedef.num_leaves)))
+    inner, sub_treedef = jax.tree_util.tree_flatten(_node_at(full, path))
+    where = {pos: k for k, pos in enumerate(inner)}
+    params, leaves, frozen = [], [], []
+    for u, p in enumerate(lay.params):
+        members = tuple(where[i] for i in p.members if i in where)
+        transforms = tuple((where[t[0]],) + tuple(t[1:]) for t in p.transforms if t[0] in where)
+        if not members:
+            if transforms:
+                raise ValueError(f"subtree: {show(lay.paths[p.transforms[0][0]])} is tied through a function to "
+                                 f"{show(lay.paths[p.canonical])}, outside {show(path)}")
+            continue
+        params.append(Param(members[0], members, p.shape, p.dtype, p.rule, transforms))
+        leaves.append(state.leaves[u])
+        frozen.append(lay.frozen[u])
+    return State(Layout(sub_treedef, tuple(params), tuple(frozen)), state.rules, tuple(leaves), state.step)
+
+
+def graft(state: State, path: str, sub: State) -> State:
+    """Put the per-parameter states of `sub` (a state for the submodel at `path`) into `state`."""
+    lay = state.layout
+    new = list(state.leaves)
+    for rel, leaf in sub.items():
+        full = f"{path}.{rel}" if path and rel else (path or rel)
+        u = lay.param(full)
+        old = new[u]
+        if jax.tree.structure(old) != jax.tree.structure(leaf.state) or any(
+                np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(leaf.state))):
+            raise ValueError(f"graft: the state for {show(full)} does not have the shape of the existing one "
+                             "(another rule or parameter shape?)")
+        new[u] = leaf.state
+    return State(lay, state.rules, tuple(new), state.step)

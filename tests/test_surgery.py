@@ -1,0 +1,87 @@
+"""State surgery: setup(like=), subtree, graft, reset; and tie_grads / return_grads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optim
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def trained(model, rule=None):
+    state = optim.setup(rule or optim.Momentum(0.1), model)
+    state, model = optim.update(state, model, jax.tree.map(jnp.ones_like, model))
+    return state, model
+
+
+def test_setup_like_keeps_matching_state_and_starts_new_paths_fresh():
+    old_model = {"enc": {"w": jnp.ones(3)}, "head": jnp.ones(2), "gone": jnp.ones(1)}
+    state, _ = trained(old_model)
+    new_model = {"enc": {"w": jnp.ones(3)}, "head": jnp.ones(4), "new": jnp.ones(2)}
+    new = optim.setup(optim.Momentum(0.1), new_model, like=state)
+    assert new["enc.w"].state is state["enc.w"].state          # kept
+    close(new["head"].state, np.zeros(4))                      # shape changed: fresh
+    close(new["new"].state, np.zeros(2))                       # new path: fresh
+    assert "gone" not in new
+    other_rule = optim.setup(optim.Adam(), new_model, like=state)   # another state structure: fresh
+    assert jax.tree.structure(other_rule["enc.w"].state) != jax.tree.structure(state["enc.w"].state)
+
+
+def test_setup_like_recomputes_ties():
+    w = jnp.ones(2)
+    state, _ = trained({"a": w, "b": jnp.ones(2)})
+    new = optim.setup(optim.Momentum(0.1), {"a": w, "b": w}, like=state)
+    assert new.ties() == {"a": ("b",)} and new["b"].state is state["a"].state
+
+
+def test_subtree_and_graft_round_trip():
+    w = jnp.ones(2)
+    model = {"enc": {"a": w, "b": jnp.ones(3)}, "head": w}
+    state, model = trained(model)
+    sub = optim.subtree(state, "enc")
+    assert sub.paths() == ["a", "b"] and sub["a"].state is state["head"].state
+    sub_model = model["enc"]
+    sub2, sub_model2 = optim.update(sub, sub_model, jax.tree.map(jnp.ones_like, sub_model))
+    full = optim.graft(state, "enc", sub2)
+    close(full["enc.b"].state, sub2["b"].state)
+    close(full["head"].state, sub2["a"].state)                  # the tie reaches outside: one state
+    with pytest.raises(ValueError, match="'x' is not a node"):
+        optim.subtree(state, "x")
+    bad = optim.setup(optim.Adam(), model["enc"])
+    with pytest.raises(ValueError, match="graft: the state for 'enc.a'"):
+        optim.graft(state, "enc", bad)
+
+
+def test_reset_zeroes_momenta():
+    state, model = trained({"a": jnp.ones(2), "b": jnp.ones(2)}, optim.Adam(0.1))
+    r = optim.reset(state, "a")
+    close(r["a"].state[0], [0, 0])
+    close(r["a"].state[2], [0.9, 0.999])
+    assert r["b"].state is state["b"].state
+    mp, m = trained({"a": jnp.ones(2, jnp.float16)}, optim.MixedPrecision(jnp.float32, optim.Adam(0.1)))
+    with pytest.raises(ValueError, match="pass model="):
+        optim.reset(mp)
+    close(optim.reset(mp, model=m)["a"].state[0], m["a"].astype(jnp.float32))
+
+
+def test_tie_grads_and_return_grads():
+    w = jnp.array([1.0, 2.0])
+    m = {"a": w, "b": w, "c": jnp.ones(1), "n": 3}
+    state = optim.setup(optim.Descent(0.1), m)
+    g = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "c": None, "n": None}
+    tg = optim.tie_grads(state, g)
+    close(tg["a"], [4.0, 6.0])
+    assert tg["b"] is None and tg["c"] is None and tg["n"] is None
+    assert float(optax.global_norm(tg)) == pytest.approx(np.sqrt(52.0))
+    s1, m1, rg = optim.update(state, m, g, return_grads=True)
+    close(rg["a"], [4.0, 6.0])
+    # an already-summed gradient at the canonical path gives the same step (Optimisers.jl #193)
+    _, m2 = optim.update(state, m, tg)
+    close(m2["b"], m1["b"])
+    s3, m3, rg3 = jax.jit(lambda s, m, g: optim.update(s, m, g, return_grads=True))(state, m, g)
+    close(rg3["a"], [4.0, 6.0])
