@@ -27,3 +27,16 @@ def test_custom_rule_block():
     s = optim.setup(scope["SignSGD"](0.5), {"w": jnp.ones(2)})
     np.testing.assert_allclose(optim.update(s, {"w": jnp.ones(2)}, {"w": jnp.array([1.0, -1.0])})[1]["w"],
                                [0.5, 1.5])
+
+
+def test_beyond_the_anchors_block():
+    import jax
+    import jax.numpy as jnp
+    import optim
+
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "ClipGlobalNorm" in b)
+    w = jnp.array([3.0, 4.0])
+    scope = {"jax": jax, "optim": optim, "model": {"a": w, "b": w}, "grads": {"a": w, "b": w}}
+    exec(block, scope)
+    assert int(scope["state"].step) == 1
+    np.testing.assert_allclose(float(optim.global_norm(jax.tree.leaves(scope["g"]))), 10.0, rtol=1e-6)
