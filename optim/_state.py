@@ -178,7 +178,8 @@ class State:
 
     def __repr__(self) -> str:
         lay = self.layout
-        lines = [f"State({len(lay.params)} parameters, {sum(len(p.members) for p in lay.params)} positions)"]
+        positions = sum(len(p.members) + len(p.transforms) for p in lay.params)
+        lines = [f"State({len(lay.params)} parameters, {positions} positions)"]
         for u, p in enumerate(lay.params):
             shapes = jax.tree.map(lambda a: describe(a), self.leaves[u])
             flags = " frozen" if lay.frozen[u] else ""
