@@ -11,6 +11,8 @@
 """
 
 from ._adjust import adjust, freeze, thaw
+from ._checkpoint import load, save
+from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
 from ._rules import (
     AccumGrad, AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGlobalNorm, ClipGrad, ClipNorm,
@@ -25,7 +27,7 @@ from ._update import tie_grads, update
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "tie_grads", "adjust", "freeze", "thaw", "reset", "subtree", "graft", "trainables",
+    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError", "adjust", "freeze", "thaw", "reset", "subtree", "graft", "trainables",
     "destructure",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",

@@ -140,7 +140,7 @@ def _betas(beta: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # ----------------------------------------------------------------------------------------------- rules
 class Descent(Rule):
-    """Plain gradient descent: `step = η g`."""
+    """Plain gradient descent: `step = η g`. Same as `optax.sgd(η)`."""
 
     lr: Any = 0.1
     _nonneg = ("lr",)
@@ -150,7 +150,11 @@ class Descent(Rule):
 
 
 class Momentum(Rule):
-    """Gradient descent with momentum: `v ← ρ v + η g`, `step = v`."""
+    """Gradient descent with momentum: `v ← ρ v + η g`, `step = v`.
+
+    optax: the same steps as `optax.sgd(η, momentum=ρ)` while η is constant; optax keeps `t ← ρt + g` and
+    scales by the current η, here `v` accumulates `η g`, so a changed η (adjust, schedule) affects new gradients.
+    """
 
     lr: Any = 0.01
     rho: Any = 0.9
@@ -165,7 +169,10 @@ class Momentum(Rule):
 
 
 class Nesterov(Rule):
-    """Nesterov momentum (PyTorch's `nesterov=True`): `step = -ρ² v + (1 + ρ) η g`, then `v ← ρ v - η g`."""
+    """Nesterov momentum (PyTorch's `nesterov=True`): `step = -ρ² v + (1 + ρ) η g`, then `v ← ρ v - η g`.
+
+    optax: the same as `optax.sgd(η, momentum=ρ, nesterov=True)` while η is constant (see `Momentum`).
+    """
 
     lr: Any = 0.001
     rho: Any = 0.9
@@ -206,7 +213,10 @@ class Rprop(Rule):
 
 class RMSProp(Rule):
     """RMSProp: `q ← ρ q + (1 - ρ)|g|²`, `step = η g / (√q + ε)`; `centred=True` also tracks `l ← ρ l + (1 - ρ) g`
-    and uses `√(q - |l|²)`. ε is outside the square root (optax puts it inside) and ρ defaults to 0.9.
+    and uses `√(q - |l|²)`. ε is outside the square root and ρ defaults to 0.9.
+
+    optax: equals `optax.rmsprop(η, decay=ρ, eps=ε, eps_in_sqrt=False)` (centred: `centered=True`); optax's
+    default puts ε inside the square root.
     """
 
     lr: Any = 0.001
@@ -246,7 +256,10 @@ def _bt_next(bt, beta, x):
 
 
 class Adam(Rule):
-    """Adam: `m ← β₁ m + (1 - β₁) g`, `v ← β₂ v + (1 - β₂)|g|²`, `step = η m̂ / (√v̂ + ε)`."""
+    """Adam: `m ← β₁ m + (1 - β₁) g`, `v ← β₂ v + (1 - β₂)|g|²`, `step = η m̂ / (√v̂ + ε)`.
+
+    optax: same as `optax.adam(η, b1, b2, eps)`.
+    """
 
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
@@ -265,7 +278,9 @@ class Adam(Rule):
 
 class RAdam(Rule):
     """Rectified Adam: with `ρ∞ = 2/(1 - β₂) - 1` and `ρ = ρ∞ - 2t bt₂/(1 - bt₂)`, `step = η r m̂ / (√v̂ + ε)`
-    when `ρ > 4` (`r = √((ρ-4)(ρ-2)ρ∞ / ((ρ∞-4)(ρ∞-2)ρ))`), else `η m̂`. The threshold is 4 (optax and PyTorch: 5).
+    when `ρ > 4` (`r = √((ρ-4)(ρ-2)ρ∞ / ((ρ∞-4)(ρ∞-2)ρ))`), else `η m̂`.
+
+    optax: equals `optax.radam(η, b1, b2, eps, threshold=4.0)`; optax tests ρ ≥ threshold with a default of 5.
     """
 
     lr: Any = 0.001
@@ -327,7 +342,11 @@ class OAdam(Rule):
 
 
 class AdaGrad(Rule):
-    """AdaGrad: `acc ← acc + |g|²` (starting at ε), `step = η g / (√acc + ε)`."""
+    """AdaGrad: `acc ← acc + |g|²` (starting at ε), `step = η g / (√acc + ε)`.
+
+    optax: adds eps inside `rsqrt` and starts the accumulator at 0.1; the closest is
+    `optax.adagrad(η, initial_accumulator_value=ε, eps=0)`, which differs by the factor √acc / (√acc + ε).
+    """
 
     lr: Any = 0.1
     eps: Any = 1e-8
@@ -362,7 +381,11 @@ class AdaDelta(Rule):
 
 
 class AMSGrad(Rule):
-    """AMSGrad (no bias correction): `v̂ ← max(v̂, v)`, `step = η m / (√v̂ + ε)`; `m`, `v`, `v̂` start at ε."""
+    """AMSGrad (no bias correction): `v̂ ← max(v̂, v)`, `step = η m / (√v̂ + ε)`; `m`, `v`, `v̂` start at ε.
+
+    optax: equals `optax.amsgrad(η, b1, b2, eps, bias_correction_mu=False, bias_correction_nu=False)` with its
+    moments started at ε; optax starts them at 0 and bias-corrects by default.
+    """
 
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
@@ -381,7 +404,11 @@ class AMSGrad(Rule):
 
 
 class NAdam(Rule):
-    """Nesterov Adam: `step = η (β₁ m / (1 - β₁ bt₁) + (1 - β₁) g / (1 - bt₁)) / (√(β₂ v / (1 - bt₂)) + ε)`."""
+    """Nesterov Adam: `step = η (β₁ m / (1 - β₁ bt₁) + (1 - β₁) g / (1 - bt₁)) / (√(β₂ v / (1 - bt₂)) + ε)`.
+
+    optax: `optax.nadam` omits Dozat's β₂ inside the root; `NAdam(η, β, ε)` equals
+    `optax.nadam(η / √β₂, β₁, β₂, eps=ε / √β₂)`.
+    """
 
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
@@ -403,6 +430,8 @@ class NAdam(Rule):
 class AdamW(Rule):
     """Adam with decoupled weight decay. With `A` the Adam step at η = 1:
     `step = η (A + λ x)` (`couple=True`, PyTorch's convention) or `η A + λ x` (`couple=False`). λ defaults to 0.
+
+    optax: `couple=True` equals `optax.adamw(η, b1, b2, eps, weight_decay=λ)` (optax's default λ is 1e-4).
     """
 
     lr: Any = 0.001
@@ -427,7 +456,10 @@ class AdamW(Rule):
 
 
 class AdaBelief(Rule):
-    """AdaBelief: `s ← β₂ s + (1 - β₂)|g - m|² + ε`, `step = η m̂ / (√(s / (1 - bt₂)) + ε)`."""
+    """AdaBelief: `s ← β₂ s + (1 - β₂)|g - m|² + ε`, `step = η m̂ / (√(s / (1 - bt₂)) + ε)`.
+
+    optax: equals `optax.adabelief(η, b1, b2, eps=ε, eps_root=ε)`.
+    """
 
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
@@ -450,6 +482,8 @@ class AdaBelief(Rule):
 class Lion(Rule):
     """Lion (Chen et al. 2023, the paper's form): `step = η sign(β₁ m + (1 - β₁) g)` with the previous `m`,
     then `m ← β₂ m + (1 - β₂) g`. Optimisers.jl swaps the two EMA weights; this does not.
+
+    optax: equals `optax.lion(η, b1, b2, weight_decay=0.0)` (optax's default weight decay is 1e-3).
     """
 
     lr: Any = 1e-4
@@ -519,8 +553,7 @@ def _pnorm(g: jax.Array, p: float) -> jax.Array:
 class ClipNorm(Rule):
     """Rescale each array's gradient so its p-norm is at most `max_norm`: `g · min(ω / ‖g‖ₚ, 1)`.
 
-    The norm is per array, as in Optimisers.jl (see `ClipGlobalNorm`-style clipping in the interop work for a
-    whole-model norm). Unlike Optimisers.jl it cannot raise on a non-finite norm inside `jit`: a NaN or Inf
+    The norm is per array, as in Optimisers.jl; `ClipGlobalNorm` clips by the norm of the whole model. Unlike Optimisers.jl it cannot raise on a non-finite norm inside `jit`: a NaN or Inf
     gradient gives a NaN step.
     """
 

@@ -424,11 +424,37 @@ def _init_states(rule: Any, xs: list, where: list[int], paths: Any) -> list:
                 for i in idx:
                     out[i] = shared
             else:
+                inits: dict = {}
                 for i in idx:
-                    out[i] = rule.init(jnp.asarray(xs[i]))
+                    x = jnp.asarray(xs[i])
+                    key = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+                    if key not in inits:
+                        inits[key] = _placed_init(rule, x)
+                    out[i] = inits[key](x)
         except (TypeError, ValueError) as e:
             raise type(e)(f"setup: at {show(paths[where[idx[0]]])}: {e}") from e
     return out
+
+
+def _placed_init(rule: Any, x: jax.Array) -> Callable:
+    """`rule.init` for parameters placed like `x`, creating every state array where it will be used: arrays of
+    `x`'s shape get `x`'s sharding (FSDP / ZeRO: each device holds the state of its own shard), the others
+    (scalars, Adam's beta powers) are replicated over `x`'s devices. One jitted init per placement, so a
+    sharded parameter's state is never materialised whole on one device. An init that cannot be jitted (it
+    reads concrete values) runs eagerly."""
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        rep = sharding
+    else:
+        return rule.init
+    try:
+        shapes = jax.eval_shape(rule.init, x)
+    except Exception:   # e.g. converts x to numpy: not traceable
+        return rule.init
+    place = jax.tree.map(lambda s: sharding if s.shape == x.shape else rep, shapes)
+    return jax.jit(lambda a: rule.init(a), out_shardings=place)
 
 
 def _local(x: Any) -> bool:

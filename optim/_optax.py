@@ -1,0 +1,693 @@
+"""Interop with optax, both ways: `from_optax` runs an optax transformation as a tie-aware optim rule, and
+`to_optax` turns an optim rule into an `optax.GradientTransformation` for an existing optax loop.
+
+`from_optax(tx)` calls `tx.init` / `tx.update` once per real parameter (tie group), with that parameter's
+array as the whole "params tree" and its summed gradient as the "updates tree". So ties, `None` gradients
+(no step, state not advanced), `freeze` and per-path rules work with every optax optimiser. optax's updates
+are added to the parameters and optim's steps are subtracted: the rule returns `-updates`.
+
+This is right for every transformation that acts on each array independently (adam, sgd, lion, rmsprop,
+adafactor, lamb / lars, muon, schedule_free, MultiSteps, masked with a callable mask, ...). A *whole-tree*
+transformation computes something over all arrays together (a global norm, an inner product, an all-finite
+test, a line search over the loss) and would silently compute per-array results instead. `from_optax` refuses
+those when the rule is set up, naming the transformation: the known ones by name (`_WHOLE_TREE`, which also
+catches the threshold-dependent ones), and any other by a dependency probe: three steps of `tx` on a tree of two
+arrays are traced (not run) and the jaxpr is walked (through jit, cond, while, scan and custom-derivative calls)
+to see whether either array's update depends on the other array's value, gradient or state. The probe is
+conservative: a transformation that concatenates the arrays and splits them again (`optax.flatten`) is refused
+too (`check=False`). Tie-aware replacements: `optim.ClipGlobalNorm` for `clip_by_global_norm`,
+`optim.SkipNonFinite` for `apply_if_finite`; for the rest (lbfgs, line searches, polyak_sgd, prodigy, dog,
+dadapt, mechanize, momo, sam, ...), run plain optax on `optim.destructure(model)`'s flat vector, which holds each
+tied array once.
+
+`from_optax` also runs one small compiled update to check the orientation of `tx`'s output: an optimiser's
+updates point against the gradient (they are added); a gradient transformation without its learning-rate
+stage (`optax.scale_by_adam()`, `optax.clip(1.0)`) keeps the gradient's orientation and, used as an optimiser,
+would climb the loss. Such a transformation is refused unless declared with `gradient_like=True`, which makes
+the step `+updates`: a stage of an optim chain.
+
+`to_optax(rule)` is `init(params) = optim.setup(rule, params)` and `update(grads, state, params)` = one
+`optim.update`, returning `new_params - params` as the updates, so `optax.apply_updates` gives optim's result.
+Ties are found by identity in `init` (call it outside `jit`, as optax loops do) and kept in the state's static
+tie map, so the update is tie-correct inside the user's `jax.jit` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._rules import Rule
+from ._schedules import Schedule
+from ._state import State, setup
+from ._tree import PyTree, fmt_value, is_trainable
+from ._update import update
+
+__all__ = ["from_optax", "to_optax", "with_extra_args", "FromOptax", "WholeTreeError"]
+
+
+class WholeTreeError(TypeError):
+    """An optax transformation that looks at the whole tree was given to `from_optax`."""
+
+
+_DESTRUCTURE = ("run it with plain optax on the deduplicated parameters instead: `flat, rebuild = "
+                "optim.destructure(model)` holds each tied array once, and the loss of `rebuild(flat)` has the "
+                "summed gradient")
+
+# optax transformations (the function that builds them) that combine all arrays of the tree, and what to use.
+_WHOLE_TREE: dict[str, str] = {
+    "clip_by_global_norm": "use optim.ClipGlobalNorm(max_norm) before it in an optim.chain, e.g. "
+                           "optim.chain(optim.ClipGlobalNorm(1.0), optim.from_optax(optax.adam(1e-3))): it counts "
+                           "each tied parameter once, with its summed gradient",
+    "per_example_global_norm_clip": "clip the per-example gradients before calling optim.update",
+    "differentially_private_aggregate": "clip the per-example gradients before calling optim.update",
+    "apply_if_finite": "use optim.SkipNonFinite(rule), which skips the whole step",
+    "skip_not_finite": "use optim.SkipNonFinite(rule), which skips the whole step",
+    "skip_large_updates": _DESTRUCTURE,
+    "normalize_by_update_norm": _DESTRUCTURE,
+    "scale_by_polyak": _DESTRUCTURE,
+    "scale_by_lbfgs": _DESTRUCTURE,
+    "scale_by_zoom_linesearch": _DESTRUCTURE,
+    "scale_by_backtracking_linesearch": _DESTRUCTURE,
+    "scale_by_dowg": _DESTRUCTURE,
+    "dadapt_adamw": _DESTRUCTURE,
+    "prodigy": _DESTRUCTURE,
+    "mechanize": _DESTRUCTURE,
+    "momo": _DESTRUCTURE,
+    "momo_adam": _DESTRUCTURE,
+    "sam": _DESTRUCTURE,
+    "normalize": _DESTRUCTURE,          # optax.contrib's, used by sam
+}
+
+
+# ------------------------------------------------------------------------------------------ from_optax
+def _optax():
+    try:
+        import optax
+    except ImportError as e:  # optax is not a dependency of optim itself
+        raise ImportError("optim's optax interop needs optax: pip install optax") from e
+    return optax
+
+
+def _normalise(tx: Any) -> Any:
+    """Any optax transformation as one whose `update` accepts extra keyword arguments."""
+    optax = _optax()
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+        return tx
+    if hasattr(tx, "gradient_transformation"):          # optax.MultiSteps
+        return tx.gradient_transformation()
+    if isinstance(tx, optax.GradientTransformation):
+        return optax.with_extra_args_support(tx)
+    return tx
+
+
+def _is_transformation(tx: Any) -> bool:
+    return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+def _root_name(fn: Any) -> str | None:
+    """`'clip_by_global_norm'` for optax's `clip_by_global_norm.<locals>.update_fn`; None for non-optax code."""
+    mod = getattr(fn, "__module__", None) or ""
+    qual = getattr(fn, "__qualname__", None)
+    if not mod.startswith("optax") or not isinstance(qual, str):
+        return None
+    return qual.split(".<locals>")[0].split(".")[0]
+
+
+def _optax_names(obj: Any, depth: int = 0, seen: set | None = None) -> list[str]:
+    """Names of the optax builders reachable from a transformation (through closures, chains, wrappers)."""
+    seen = set() if seen is None else seen
+    if depth > 10 or id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    out: list[str] = []
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+        name = _root_name(fn)
+        if name is not None:
+            out.append(name)
+        if isinstance(obj, types.MethodType):
+            out += _optax_names(obj.__self__, depth + 1, seen)
+        for cell in fn.__closure__ or ():
+            try:
+                out += _optax_names(cell.cell_contents, depth + 1, seen)
+            except ValueError:  # an empty cell
+                pass
+    elif isinstance(obj, functools.partial):
+        out += _optax_names(obj.func, depth + 1, seen)
+        for v in (*obj.args, *obj.keywords.values()):
+            out += _optax_names(v, depth + 1, seen)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            out += _optax_names(v, depth + 1, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out += _optax_names(v, depth + 1, seen)
+    elif (type(obj).__module__ or "").startswith("optax") and hasattr(obj, "__dict__"):
+        out.append(type(obj).__name__)
+        for v in vars(obj).values():
+            out += _optax_names(v, depth + 1, seen)
+    return out
+
+
+def _name(tx: Any) -> str:
+    """A readable name for a transformation: the optax builder that made it, else its type."""
+    upd = getattr(tx, "update", None)
+    fn = upd.__func__ if isinstance(upd, types.MethodType) else upd
+    qual = getattr(fn, "__qualname__", None)
+    if isinstance(upd, types.MethodType):
+        return type(tx).__name__
+    if isinstance(qual, str):
+        return qual.split(".<locals>")[0]
+    return type(tx).__name__
+
+
+def _describe(tx: Any) -> str:
+    """`chain(scale_by_adam, scale_by_learning_rate)` for `optax.adam(...)`."""
+    name = _name(tx)
+    if name in ("chain", "named_chain"):
+        return f"{name}({', '.join(_describe(c) for c in _components(tx))})"
+    return name
+
+
+def _components(tx: Any) -> list[Any]:
+    """The transformations directly inside `tx` (a chain's stages, a wrapper's inner transformation)."""
+    found: list[Any] = []
+    seen: set = set()
+
+    def walk(obj, depth):
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if depth > 0 and _is_transformation(obj) and not isinstance(obj, type):
+            found.append(obj)
+            return
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+            for cell in fn.__closure__ or ():
+                try:
+                    walk(cell.cell_contents, depth + 1)
+                except ValueError:
+                    pass
+        elif isinstance(obj, (tuple, list)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+
+    walk(getattr(tx, "update", None), 1)
+    return found
+
+
+def _probe_array(rng: np.random.Generator, shape: tuple, dtype: Any, scale: float, offset: float = 0.0):
+    v = rng.standard_normal(shape) * scale + offset
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        v = v + 1j * rng.standard_normal(shape) * scale
+    return jnp.asarray(v, dtype)
+
+
+# --- whole-tree detection: which inputs each output of a traced computation depends on (labels "a" / "b").
+def _union(labels) -> frozenset:
+    out: frozenset = frozenset()
+    for lab in labels:
+        out = out | lab
+    return out
+
+
+def _closed(j: Any) -> Any:
+    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
+
+
+def _deps(jaxpr: Any, ins: list) -> list:
+    """Data dependencies through a jaxpr: the labels of each output given the labels of each input."""
+    from jax.extend import core as jcore
+
+    env: dict = {}
+
+    def read(v):
+        return frozenset() if isinstance(v, jcore.Literal) else env.get(v, frozenset())
+
+    for v, lab in zip(jaxpr.invars, ins):
+        env[v] = lab
+    for eqn in jaxpr.eqns:
+        outs = _eqn_deps(eqn, [read(v) for v in eqn.invars])
+        for v, lab in zip(eqn.outvars, outs):
+            env[v] = lab
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eqn_deps(eqn: Any, ins: list) -> list:
+    name, params, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if name == "cond":                       # operands: index, *args; every branch may run
+        outs = [frozenset()] * n_out
+        for br in params["branches"]:
+            outs = [o | d for o, d in zip(outs, _deps(_closed(br), ins[1:]))]
+        return [o | ins[0] for o in outs]
+    if name == "while":
+        cj, bj = _closed(params["cond_jaxpr"]), _closed(params["body_jaxpr"])
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], list(ins[nc + nb:])
+        for _ in range(len(carry) + 2):       # labels only grow: a fixed point within len(carry) + 1 rounds
+            pred = _deps(cj, cconsts + carry)[0]
+            new = [c | d | pred for c, d in zip(carry, _deps(bj, bconsts + carry))]
+            if new == carry:
+                break
+            carry = new
+        return carry
+    if name == "scan":
+        body, nc, nk = _closed(params["jaxpr"]), params["num_consts"], params["num_carry"]
+        consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
+        for _ in range(len(carry) + 2):
+            out = _deps(body, consts + carry + xs)
+            new = [c | d for c, d in zip(carry, out[:nk])]
+            if new == carry:
+                break
+            carry = new
+        return carry + out[nk:]
+    for v in params.values():               # jit, custom_jvp / custom_vjp calls, remat, closed_call, ...
+        j = _closed(v)
+        if hasattr(j, "invars") and hasattr(j, "eqns") and len(j.invars) == len(ins) and len(j.outvars) == n_out:
+            return _deps(j, ins)
+    return [_union(ins)] * n_out            # an ordinary primitive (or an unknown one: conservatively all)
+
+
+_A, _B = "optim_probe_a", "optim_probe_b"    # dict keys that mark the two probe arrays in a traced tree
+
+
+def _labelled(tree: Any) -> list:
+    out = []
+    for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = {getattr(k, "key", None) for k in kp}
+        out.append(frozenset(n for n in (_A, _B) if n in keys))
+    return out
+
+
+def _cross_leaf(tx: Any, shape: tuple, dtype: Any, extra: dict, tree_args: tuple, steps: int = 3) -> bool:
+    """Whether `tx`, run for a few steps on a tree of two arrays, makes either array's update depend on the
+    other array (its value, gradient or state). Only traces: nothing is compiled or run."""
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+
+    def run(params, grads, trees):
+        state = tx.init(params)
+        outs = []
+        for t in range(steps):
+            kw = {n: tr[t] for n, tr in zip(tree_args, trees)}
+            u, state = tx.update(grads[t], state, params, **extra, **kw)
+            params = jax.tree.map(lambda p, d: (p + d).astype(p.dtype), params, u)
+            outs.append(u)
+        return outs
+
+    two = {_A: spec, _B: spec}
+    args = (two, [two] * steps, [[two] * steps for _ in tree_args])
+    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*args)
+    labels = _deps(closed.jaxpr, _labelled(args))
+    for lab, want in zip(labels, _labelled(out_shape)):
+        if not lab <= want:
+            return True
+    return False
+
+
+def _orientation(tx: Any, shape: tuple, dtype: Any, extra: dict, tree_args: tuple) -> int:
+    """The sign of <gradient, update> on a first step: -1 an optimiser (updates are added), +1 a gradient
+    transformation (updates point like the gradient), 0 unknown (e.g. no update on the first step)."""
+    rng = np.random.default_rng(0)
+    x = _probe_array(rng, shape, dtype, 1.0, 1.0)
+    g = _probe_array(rng, shape, dtype, 1.0)
+    more = {n: jnp.abs(_probe_array(rng, shape, dtype, 1.0)) + 0.5 for n in tree_args}
+
+    def first(x, g, more):
+        return tx.update(g, tx.init(x), x, **extra, **more)[0]
+
+    u = np.asarray(jax.jit(first)(x, g, more), np.complex128)
+    dot = float(np.real(np.vdot(np.asarray(g, np.complex128), u)))
+    return int(np.sign(dot)) if np.isfinite(dot) else 0
+
+
+_CHECKED: dict = {}
+
+
+def _check(rule: "FromOptax", x: Any) -> None:
+    """Refuse whole-tree transformations and gradient-like ones not declared so (see `from_optax`). The
+    dependency check runs once per transformation, dtype and number of dimensions, the orientation check (one
+    small compiled update) once per transformation and dtype; both also while `setup` traces `init`."""
+    base = (rule.tx, rule.static_kwargs, rule.gradient_like, jnp.dtype(x.dtype))
+    key = base + (len(x.shape),)
+    if key in _CHECKED:
+        return
+    with jax.ensure_compile_time_eval():   # build and probe concretely
+        _check_now(rule, rule.transformation(), x, orient=base not in _CHECKED)
+    if len(_CHECKED) > 1024:
+        _CHECKED.clear()
+    _CHECKED[key] = _CHECKED[base] = True
+
+
+def _label(tx: Any) -> str:
+    """How messages and reprs name a wrapped transformation or factory."""
+    if _is_transformation(tx):
+        return _describe(tx)
+    return getattr(tx, "__name__", None) or getattr(getattr(tx, "func", None), "__name__", None) or repr(tx)
+
+
+def _check_now(rule: "FromOptax", tx: Any, x: Any, orient: bool = True) -> None:
+    name = _label(rule.tx)
+    known = [n for n in _optax_names(tx) if n in _WHOLE_TREE]
+    if known:
+        inside = "" if known[0] == name else f" (inside {name})"
+        raise WholeTreeError(f"from_optax: optax's {known[0]}{inside} works on the whole tree, but from_optax runs "
+                             f"the transformation on each parameter separately, so it would silently compute "
+                             f"per-parameter results; {_WHOLE_TREE[known[0]]}")
+    shape = tuple(x.shape) if int(np.prod(x.shape)) > 0 else (3,)
+    extra = dict(rule.extra_args or {})
+    args = (shape, x.dtype, extra, rule.tree_args)
+    try:
+        cross = _cross_leaf(tx, *args)
+        orientation = _orientation(tx, *args) if orient else 0
+    except Exception as e:  # the transformation cannot run on single arrays (or needs extra arguments)
+        raise TypeError(
+            f"from_optax: could not run {name} on single parameters to check that it works per parameter "
+            f"({type(e).__name__}: {e}). If it needs extra arguments, give example values with "
+            f"extra_args={{...}}; a transformation that needs the whole tree (a loss function, a tree-shaped "
+            f"mask or label tree) cannot be wrapped; check=False skips this check") from e
+    if cross:
+        culprit = name
+        for c in _components(tx):
+            try:
+                if _cross_leaf(_normalise(c), *args):
+                    culprit = f"{_label(c)} (inside {name})"
+                    break
+            except Exception:
+                continue
+        raise WholeTreeError(
+            f"from_optax: {culprit} combines the arrays of the tree (one array's update depends on another's "
+            f"values, gradient or state), but from_optax runs it on each parameter separately, so it would "
+            f"silently compute per-parameter results; {_DESTRUCTURE}. check=False skips this check (for a "
+            f"transformation that only reshapes the tree, such as optax.flatten, wrap its inner one instead)")
+    if orientation > 0 and not rule.gradient_like:
+        raise TypeError(
+            f"from_optax: {name}'s updates point along the gradient, so adding them to the parameters would climb "
+            f"the loss: it is a gradient transformation without the final learning-rate stage (like "
+            f"optax.scale_by_adam() or optax.clip(1.0)). Give a complete optimiser (e.g. optax.chain(tx, "
+            f"optax.scale_by_learning_rate(lr)) or optax.adam(lr)), or, to use it as a stage of an optim chain "
+            f"whose step is its output, pass gradient_like=True (check=False skips this check)")
+    if orientation < 0 and rule.gradient_like:
+        raise TypeError(
+            f"from_optax: {name}'s updates point against the gradient (a complete optimiser such as optax.adam(lr), "
+            f"whose updates are added to the parameters), but gradient_like=True says they point along it; "
+            f"drop gradient_like=True (check=False skips this check)")
+
+
+class FromOptax(Rule):
+    """An optax transformation run on each parameter (tie group) separately; build it with `from_optax`.
+
+    `tx` is the transformation, or a factory such as `optax.adam` whose numeric keyword arguments are fields of
+    the rule (`lr` is passed as `learning_rate`), so `optim.adjust` and optim schedules reach them.
+    `extra_args` holds the keyword arguments passed to every `tx.update` (`with_extra_args`).
+    """
+
+    tx: Any = None
+    extra_args: Any = None
+    tree_args: tuple = ()
+    static_kwargs: tuple = ()
+    check: bool = True
+    gradient_like: bool = False
+    _static = ("tx", "tree_args", "static_kwargs", "check", "gradient_like")
+    _hyper: ClassVar[tuple] = ()   # (field name, factory keyword) of the numeric factory arguments
+
+    def transformation(self) -> Any:
+        """The optax transformation, built from the current hyperparameters for a factory rule."""
+        if _is_transformation(self.tx):
+            return _normalise(self.tx)
+        kw = {k: getattr(self, f) for f, k in self._hyper}
+        return _normalise(self.tx(**kw, **dict(self.static_kwargs)))
+
+    def init(self, x):
+        if self.check:
+            _check(self, x)
+        return self.transformation().init(x)
+
+    def apply(self, state, x, dx, *dxs):
+        if len(dxs) != len(self.tree_args):
+            raise TypeError(f"from_optax({_label(self.tx)}): got {1 + len(dxs)} gradient trees but the rule takes "
+                            f"1 + tree_args={self.tree_args!r}")
+        kw = dict(self.extra_args or {})
+        kw.update(zip(self.tree_args, dxs))
+        updates, state = self.transformation().update(dx, state, x, **kw)
+        updates = jnp.asarray(updates)
+        return state, updates if self.gradient_like else -updates
+
+    def __repr__(self):
+        parts = [_label(self.tx)]
+        parts += [f"{f}={fmt_value(getattr(self, f))}" for f, _ in self._hyper]
+        parts += [f"{k}={v!r}" for k, v in self.static_kwargs]
+        if self.extra_args:
+            parts.append(f"extra_args={{{', '.join(f'{k}: {fmt_value(v)}' for k, v in self.extra_args.items())}}}")
+        if self.tree_args:
+            parts.append(f"tree_args={self.tree_args!r}")
+        if self.gradient_like:
+            parts.append("gradient_like=True")
+        return f"from_optax({', '.join(parts)})"
+
+
+@functools.lru_cache(maxsize=None)
+def _factory_class(hyper: tuple[tuple[str, str], ...]) -> type:
+    """A `FromOptax` subclass with one field per numeric factory argument (cached: equal rules, equal types)."""
+    ns = {"__annotations__": {f: Any for f, _ in hyper}, "_hyper": hyper, "__module__": __name__,
+          "__qualname__": "FromOptax"}
+    ns.update({f: None for f, _ in hyper})
+    return type("FromOptax", (FromOptax,), ns)
+
+
+def _is_hyper(v: Any) -> bool:
+    """A factory argument that becomes a (traced, adjustable) field: a float, a float array or a schedule."""
+    if isinstance(v, Schedule):
+        return True
+    if isinstance(v, bool) or isinstance(v, (int, np.integer)):
+        return False                     # counts, periods, flags: structural
+    if isinstance(v, (float, np.floating)):
+        return True
+    if isinstance(v, (jax.Array, np.ndarray)):
+        return jnp.issubdtype(v.dtype, jnp.inexact)
+    if isinstance(v, tuple) and v and all(_is_hyper(u) for u in v):
+        return True
+    return False
+
+
+def from_optax(tx: Any, /, *, extra_args: dict | None = None, tree_args: tuple[str, ...] = (),
+               gradient_like: bool = False, check: bool = True, **hyperparameters: Any) -> FromOptax:
+    """An optim rule that runs the optax transformation `tx` on each parameter (tie group) separately.
+
+    `optim.from_optax(optax.adam(1e-3))` is Adam with ties, `None` gradients, `freeze` and per-path rules
+    handled by optim: a tied parameter gets one optax state and one update from its summed gradient. The step
+    is `-updates` (optax adds updates, optim subtracts steps). Each `tx.update(g, state, x)` sees one array as
+    the whole tree, with the parameter's summed gradient (conjugated for complex parameters, as every optim
+    rule sees it: the steepest-descent direction) and its value as `params`.
+
+    Two forms:
+
+    - `from_optax(optax.adam(1e-3))`: the transformation's hyperparameters are closed over: `optim.adjust`
+      cannot reach them (use the second form, or an optax schedule, or `optax.inject_hyperparams`, whose values
+      then live in each parameter's state: `state[path].state.hyperparams`).
+    - `from_optax(optax.adam, lr=1e-3, b1=0.9)`: a factory and its keyword arguments. Float arguments (and
+      arrays and optim schedules) become fields of the rule, so `optim.adjust(state, lr=1e-4, b1=0.8)` changes
+      them without recompiling and an optim schedule is evaluated at optim's step; `lr` is passed to the factory
+      as `learning_rate`. Integer, boolean and other arguments are structural (static). The factory is called
+      again, with traced values, each time the update is traced.
+
+    Extra arguments of `optax.GradientTransformationExtraArgs` (e.g. `value=loss` for
+    `optax.contrib.reduce_on_plateau`) reach every `tx.update` as keywords: set them with
+    `state = optim.with_extra_args(state, value=loss)` before `optim.update` (they stay until replaced), or pass
+    them to `to_optax(rule).update(..., value=loss)` (for that call only). `extra_args={...}` gives their
+    initial values (also used to check the transformation at setup). Per-parameter extra arguments shaped like the
+    model travel as extra gradient trees: with `tree_args=("name",)`, `optim.update(state, model, grads, tree)`
+    passes the tree's (tie-summed) entry for each parameter as `name=`.
+
+    Whole-tree transformations (`clip_by_global_norm`, `apply_if_finite`, `lbfgs` and the line searches,
+    `polyak_sgd`, `normalize_by_update_norm`, and contrib's `prodigy`, `dadapt_adamw`, `dog`, `dowg`,
+    `mechanize`, `momo`, `sam`, ...) raise `WholeTreeError` (a `TypeError`) when the rule is set up: known ones
+    by name, others by a traced dependency probe (see the module docstring). Use `optim.ClipGlobalNorm` and
+    `optim.SkipNonFinite` instead of the first two. A transformation that needs a tree-shaped mask or label tree
+    cannot be wrapped (use a callable mask).
+
+    `tx` must be a complete optimiser: its updates are added to the parameters. A gradient transformation
+    that keeps the gradient's orientation (`optax.scale_by_adam()`, `optax.clip(1.0)`, `reduce_on_plateau`)
+    becomes a stage of an optim chain with `gradient_like=True` (step = `+updates`), e.g.
+    `optim.chain(optim.from_optax(optax.scale_by_adam(), gradient_like=True), optim.Descent(1e-3))`; without
+    it, setup refuses it (its first update points along the gradient). `check=False` skips both checks.
+
+    >>> import jax.numpy as jnp, optax, optim
+    >>> from optim._optax import from_optax
+    >>> w = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(from_optax(optax.sgd(0.1)), {"a": w, "b": w})
+    >>> state, m = optim.update(state, {"a": w, "b": w}, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    >>> m["a"], m["a"] is m["b"]
+    (Array([0.8, 1.8], dtype=float32), True)
+    """
+    if extra_args is not None and not isinstance(extra_args, dict):
+        raise TypeError(f"from_optax: extra_args must be a dict of keyword arguments, got {type(extra_args).__name__}")
+    tree_args = tuple(tree_args)
+    if not all(isinstance(n, str) for n in tree_args):
+        raise TypeError(f"from_optax: tree_args must be argument names, got {tree_args!r}")
+    extra = {k: jnp.asarray(v) if isinstance(v, (int, float, np.number)) else v for k, v in (extra_args or {}).items()}
+    try:
+        hash(tx)
+    except TypeError:
+        raise TypeError(f"from_optax: {type(tx).__name__} is not hashable; the transformation is part of the "
+                        f"compiled program's key") from None
+    if _is_transformation(tx):
+        if hyperparameters:
+            raise TypeError(f"from_optax: keyword arguments ({', '.join(hyperparameters)}) go with a factory such as "
+                            f"optax.adam, not with an already built transformation ({_name(tx)})")
+        return FromOptax(tx, extra or None, tree_args, (), bool(check), bool(gradient_like))
+    if not callable(tx):
+        raise TypeError(f"from_optax: expected an optax GradientTransformation or a factory such as optax.adam, "
+                        f"got {type(tx).__name__}")
+    if "lr" in hyperparameters and "learning_rate" in hyperparameters:
+        raise TypeError("from_optax: give lr or learning_rate, not both")
+    hyper, static = [], []
+    for k, v in hyperparameters.items():
+        key = "learning_rate" if k == "lr" else k
+        field = "lr" if key == "learning_rate" else k
+        if field in {f.name for f in dataclasses.fields(FromOptax)}:
+            raise TypeError(f"from_optax: the factory argument {k!r} clashes with a field of the rule")
+        if _is_hyper(v):
+            hyper.append((field, key, v))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"from_optax: factory argument {k}={v!r} is neither a number nor hashable "
+                                f"(structural arguments are part of the compiled program's key)") from None
+            static.append((key, v))
+    try:
+        sig = inspect.signature(tx)
+    except (TypeError, ValueError):  # no signature to check against
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind_partial(**{key: v for _, key, v in hyper}, **dict(static))
+        except TypeError as e:
+            raise TypeError(f"from_optax: {_label(tx)} does not take these arguments: {e}") from None
+    cls = _factory_class(tuple((f, key) for f, key, _ in hyper))
+    rule = cls(tx, extra or None, tree_args, tuple(sorted(static)), bool(check), bool(gradient_like),
+               *[v for _, _, v in hyper])
+    try:
+        built = rule.transformation()
+    except TypeError as e:
+        raise TypeError(f"from_optax: calling {_label(tx)}(...) with these arguments failed: {e}") from e
+    if not _is_transformation(built):
+        raise TypeError(f"from_optax: {_label(tx)}(...) returned {type(built).__name__}, "
+                        f"not an optax transformation")
+    return rule
+
+
+def _map_from_optax(rules: Any, f: Callable[[FromOptax], FromOptax]) -> Any:
+    return jax.tree.map(lambda r: f(r) if isinstance(r, FromOptax) else r, rules,
+                        is_leaf=lambda r: isinstance(r, FromOptax))
+
+
+def _from_optax_rules(rules: Any) -> list[FromOptax]:
+    return [r for r in jax.tree.leaves(rules, is_leaf=lambda r: isinstance(r, FromOptax)) if isinstance(r, FromOptax)]
+
+
+def with_extra_args(state: State, **extra_args: Any) -> State:
+    """Return `state` with keyword arguments for every `from_optax` rule's `tx.update` (optax's extra args,
+    e.g. `value=loss`), merged with those it had. Numbers become arrays, so new values never recompile a
+    jitted step while the set of names stays the same.
+
+    >>> import jax.numpy as jnp, optax, optim
+    >>> from optim._optax import from_optax, with_extra_args
+    >>> tx = optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau())
+    >>> state = optim.setup(from_optax(tx, extra_args={"value": 0.0}), {"w": jnp.ones(2)})
+    >>> float(with_extra_args(state, value=3.5)["w"].rule.extra_args["value"])
+    3.5
+    """
+    if not isinstance(state, State):
+        raise TypeError(f"with_extra_args: expected the State from optim.setup, got {type(state).__name__}")
+    if not _from_optax_rules(state.rules):
+        raise TypeError("with_extra_args: this state has no from_optax rule to pass extra arguments to")
+    new = {k: jnp.asarray(v) if isinstance(v, (int, float, np.number)) else v for k, v in extra_args.items()}
+
+    def put(r: FromOptax) -> FromOptax:
+        merged = dict(r.extra_args or {})
+        for k, v in new.items():
+            o = merged.get(k)
+            same = isinstance(o, jax.Array) and isinstance(v, jax.Array) and o.shape == v.shape
+            merged[k] = v.astype(o.dtype) if same else v    # keep the abstract type: no retrace
+        out = object.__new__(type(r))
+        for fld in dataclasses.fields(r):
+            object.__setattr__(out, fld.name, getattr(r, fld.name))
+        object.__setattr__(out, "extra_args", merged or None)
+        return out
+
+    return State(state.layout, _map_from_optax(state.rules, put), state.leaves, state.step)
+
+
+# ------------------------------------------------------------------------------------------ to_optax
+def _delta(new: Any, old: Any) -> Any:
+    if is_trainable(old):
+        return new - old
+    if isinstance(old, (jax.Array, np.ndarray)) and jnp.issubdtype(old.dtype, jnp.number):
+        return jnp.zeros_like(old)
+    if isinstance(old, (int, float, complex, np.number)) and not isinstance(old, bool):
+        return type(old)(0)
+    return None
+
+
+def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
+    """An `optax.GradientTransformationExtraArgs` that runs the optim `rule`, for an existing optax loop:
+
+        tx = optim.to_optax(optim.Adam(1e-3))      # or optim.to_optax(optim.from_optax(optax.adam(1e-3)))
+        opt_state = tx.init(params)                # outside jit: finds ties by object identity
+        updates, opt_state = tx.update(grads, opt_state, params)   # inside your jax.jit as usual
+        params = optax.apply_updates(params, updates)
+
+    `init(params)` is `optim.setup(rule, params, ties=ties)`; `update(grads, state, params)` is one
+    `optim.update` and returns `new_params - params` as the updates (`params` is required), so the tied
+    positions get one update from the summed gradient and stay equal; `optax.apply_updates` reproduces optim's
+    new values up to the rounding of that difference. The optax state is optim's `State` (inspect it with
+    `state[path]`, change it with `optim.adjust` / `freeze`). Non-trainable leaves get a zero update (`None` for
+    non-numbers). Keyword extra arguments go to the `from_optax` rules inside `rule` for that call (names in
+    their `tree_args` as per-parameter trees); other transformations ignore them, as in optax.
+    Use it as the whole optimiser or the last stage of an `optax.chain`: its output is a parameter change.
+    """
+    optax = _optax()
+    if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))) and not callable(rule):
+        raise TypeError(f"to_optax: {rule!r} is not an optim rule (it needs init and apply)")
+
+    def init_fn(params: PyTree) -> State:
+        return setup(rule, params, ties=ties)
+
+    def update_fn(updates: PyTree, state: State, params: PyTree | None = None, **extra: Any):
+        if params is None:
+            raise ValueError("to_optax: update needs params (optim rules step from the parameter values): "
+                             "tx.update(grads, opt_state, params)")
+        if not isinstance(state, State):
+            raise TypeError(f"to_optax: expected the state from this transformation's init, got "
+                            f"{type(state).__name__}")
+        inner = _from_optax_rules(state.rules)
+        names: tuple = ()
+        for r in inner:
+            if r.tree_args and names and r.tree_args != names:
+                raise ValueError(f"to_optax: from_optax rules in one state take different tree_args "
+                                 f"({names!r} and {r.tree_args!r})")
+            names = r.tree_args or names
+        trees = []
+        for n in names:
+            if n not in extra:
+                raise TypeError(f"to_optax: update needs the per-parameter tree {n}= (a from_optax tree_args entry)")
+            trees.append(extra.pop(n))
+        run = with_extra_args(state, **extra) if extra and inner else state
+        new_state, new_params = update(run, params, updates, *trees)
+        # Extra arguments are for this call only: keep the state's structure (and a scan's carry) unchanged.
+        new_state = State(new_state.layout, state.rules, new_state.leaves, new_state.step)
+        return jax.tree.map(_delta, new_params, params, is_leaf=lambda v: v is None), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,440 @@
+"""optax interop: `from_optax` (any per-parameter optax transformation, tie-aware) and `to_optax` (an optim rule
+in an unmodified optax loop).
+
+The reference for "tie-aware" throughout: optax itself run on the *deduplicated* tree (each tied array once)
+fed the summed gradient of its tied positions; optim must give exactly that, and write it to every position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optim
+from optim import WholeTreeError, from_optax, to_optax, with_extra_args
+
+
+def close(a, b, rtol=1e-6, atol=1e-7):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def tied_model():
+    w = jnp.array([[1.0, -2.0, 0.5], [0.3, 0.8, -1.2]])
+    return {"emb": w, "head": w, "b": jnp.array([0.1, -0.4, 0.2]), "step": 3}
+
+
+def loss(m):
+    h = jnp.tanh(m["emb"] @ jnp.array([0.5, -1.0, 2.0]))
+    return jnp.sum((m["head"].T @ h + m["b"] - jnp.array([1.0, 0.0, -1.0])) ** 2) + 0.1 * jnp.sum(m["emb"] ** 2)
+
+
+def dedup(m):
+    return {"emb": m["emb"], "b": m["b"]}
+
+
+def summed(g):
+    return {"emb": g["emb"] + g["head"], "b": g["b"]}
+
+
+def run_optim(rule, steps=3, model=None):
+    m = tied_model() if model is None else model
+    state = optim.setup(rule, m)
+    for _ in range(steps):
+        state, m = optim.update(state, m, jax.grad(loss, allow_int=True)(m))
+    return state, m
+
+
+def run_reference(tx, steps=3):
+    """optax on the deduplicated tree, fed the summed gradient: what a tie-aware optimiser must do."""
+    m = tied_model()
+
+    @jax.jit
+    def step(p, s):
+        full = {**m, "emb": p["emb"], "head": p["emb"], "b": p["b"]}
+        u, s = tx.update(summed(jax.grad(loss, allow_int=True)(full)), s, p)
+        return optax.apply_updates(p, u), s
+
+    p = dedup(m)
+    s = tx.init(p)
+    for _ in range(steps):
+        p, s = step(p, s)
+    return p
+
+
+# ------------------------------------------------------------------------------------------ from_optax
+PER_LEAF = {
+    "adam": lambda: optax.adam(0.05),
+    "lion": lambda: optax.lion(0.01),
+    "adafactor": lambda: optax.adafactor(0.05),
+    "lamb": lambda: optax.lamb(0.05),
+    "muon": lambda: optax.contrib.muon(0.05),
+    "schedule_free": lambda: optax.contrib.schedule_free_adamw(0.05),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(0.05), every_k_schedule=2),
+    "masked_callable": lambda: optax.chain(optax.masked(optax.add_decayed_weights(0.1),
+                                                      lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                                         optax.adam(0.05)),
+    "schedule": lambda: optax.adamw(optax.linear_schedule(0.05, 0.01, 3), weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LEAF))
+def test_from_optax_is_tie_aware_for_many_optax_optimisers(name):
+    state, m = run_optim(from_optax(PER_LEAF[name]()))
+    ref = run_reference(PER_LEAF[name]())
+    close(m["emb"], ref["emb"], rtol=2e-5, atol=1e-6)
+    close(m["b"], ref["b"], rtol=2e-5, atol=1e-6)
+    assert m["head"] is m["emb"] and m["step"] == 3
+    assert state.ties() == {"emb": ("head",)}
+
+
+def test_sign_convention_and_exact_step():
+    m = {"w": jnp.array([1.0, 2.0])}
+    state = optim.setup(from_optax(optax.sgd(0.1)), m)
+    _, out = optim.update(state, m, {"w": jnp.array([1.0, -3.0])})
+    close(out["w"], [0.9, 2.3])                       # optax adds -0.1 g; optim subtracts the step 0.1 g
+
+
+def test_none_gradient_and_freeze_do_not_advance_optax_state():
+    m = tied_model()
+    state = optim.setup(from_optax(optax.adam(0.1)), m)
+    g = jax.grad(loss, allow_int=True)(m)
+    s1, m1 = optim.update(state, m, {**g, "b": None})
+    close(m1["b"], m["b"])
+    assert int(s1["b"].state[0].count) == 0 and int(s1["emb"].state[0].count) == 1
+    s2, m2 = optim.update(optim.freeze(s1, "head"), m1, g)       # freezing a member freezes the group
+    close(m2["emb"], m1["emb"])
+    assert m2["emb"] is m2["head"]
+    assert int(s2["emb"].state[0].count) == 1 and int(s2["b"].state[0].count) == 1
+
+
+def test_complex_parameter_descends_like_optim_descent():
+    m = {"z": jnp.array([1.0 + 2.0j, -0.5j])}
+    lossc = lambda p: jnp.sum(jnp.abs(p["z"] - (0.3 + 0.1j)) ** 2)
+    a = optim.setup(from_optax(optax.sgd(0.1)), m)
+    b = optim.setup(optim.Descent(0.1), m)
+    ma = mb = m
+    for _ in range(3):
+        a, ma = optim.update(a, ma, jax.grad(lossc)(ma))
+        b, mb = optim.update(b, mb, jax.grad(lossc)(mb))
+    close(ma["z"], mb["z"])
+    assert lossc(ma) < lossc(m)
+
+
+def test_chain_with_clip_global_norm_counts_the_tie_once():
+    m = {"enc": jnp.zeros(2), "dec": None}
+    m["dec"] = m["enc"]
+    g = {"enc": jnp.array([3.0, 4.0]), "dec": jnp.array([3.0, 4.0])}
+    state = optim.setup(optim.chain(optim.ClipGlobalNorm(1.0), from_optax(optax.sgd(1.0))), m)
+    _, out = optim.update(state, m, g)
+    close(out["enc"], [-0.6, -0.8])                   # the summed gradient [6, 8] clipped to norm 1
+    assert out["enc"] is out["dec"]
+
+
+def test_gradient_like_stage_inside_an_optim_chain():
+    m = {"w": jnp.array([1.0, -1.0, 0.0])}
+    g = {"w": jnp.array([3.0, -0.2, 0.7])}
+    a = optim.setup(optim.chain(from_optax(optax.clip(0.5), gradient_like=True), optim.Descent(1.0)), m)
+    b = optim.setup(optim.chain(optim.ClipGrad(0.5), optim.Descent(1.0)), m)
+    close(optim.update(a, m, g)[1]["w"], optim.update(b, m, g)[1]["w"])
+    with pytest.raises(TypeError, match="point along the gradient.*gradient_like=True"):
+        optim.setup(from_optax(optax.scale_by_adam()), m)
+    with pytest.raises(TypeError, match="point against the gradient.*drop gradient_like"):
+        optim.setup(from_optax(optax.adam(0.1), gradient_like=True), m)
+
+
+# ------------------------------------------------------------------------------------------ whole-tree
+def _global_scale():
+    """A user-written whole-tree transformation that no name list knows: scales by 1 / global norm."""
+    def update(u, s, params=None):
+        n = optax.tree.norm(u)
+        return jax.tree.map(lambda g: -g / n, u), s
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+WHOLE_TREE = {
+    "clip_by_global_norm": (lambda: optax.clip_by_global_norm(1.0), "optim.ClipGlobalNorm"),
+    "clip_in_chain": (lambda: optax.chain(optax.clip_by_global_norm(1e9), optax.adam(1e-3)), "optim.ClipGlobalNorm"),
+    "lbfgs": (lambda: optax.lbfgs(), "scale_by_lbfgs.*optim.destructure"),
+    "apply_if_finite": (lambda: optax.apply_if_finite(optax.adam(1e-3), 3), "optim.SkipNonFinite"),
+    "polyak_sgd": (lambda: optax.polyak_sgd(), "scale_by_polyak"),
+    "normalize_by_update_norm": (lambda: optax.chain(optax.normalize_by_update_norm(), optax.scale(-1.0)),
+                                 "normalize_by_update_norm"),
+    "prodigy": (lambda: optax.contrib.prodigy(), "prodigy"),
+    "multisteps_skip": (lambda: optax.MultiSteps(optax.adam(1e-3), 2, should_skip_update_fn=optax.skip_not_finite),
+                        "skip_not_finite"),
+    "dog_by_probe": (lambda: optax.contrib.dog(), "scale_by_dog .inside chain.* combines the arrays"),
+    "custom_by_probe": (_global_scale, "_global_scale.* combines the arrays"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_TREE))
+def test_whole_tree_transformations_are_refused_with_a_clear_error(name):
+    make, pattern = WHOLE_TREE[name]
+    with pytest.raises(WholeTreeError, match=pattern) as info:
+        optim.setup(from_optax(make()), {"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
+    assert isinstance(info.value, TypeError) and "setup: at " in str(info.value)
+
+
+def _transform(update):
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (update(u), s))
+
+
+PROBE = {   # name: (transformation, whole-tree?) -- the dependency probe looks through control flow
+    "fori_loop": (_transform(lambda u: jax.tree.map(
+        lambda g: -jax.lax.fori_loop(0, 3, lambda i, v: 0.5 * v + g, g), u)), False),
+    "scan": (_transform(lambda u: jax.tree.map(
+        lambda g: -jax.lax.scan(lambda c, _: (c * 0.9, None), g, None, length=2)[0], u)), False),
+    "cond_per_leaf": (_transform(lambda u: jax.tree.map(
+        lambda g: jax.lax.cond(jnp.sum(g) > 0, lambda: -g, lambda: -2.0 * g), u)), False),
+    "jit_and_custom_jvp": (_transform(lambda u: jax.tree.map(lambda g: -jax.jit(jax.nn.relu)(g) - g, u)), False),
+    "cond_on_global_sum": (_transform(lambda u: jax.tree.map(lambda g: jax.lax.cond(
+        sum(jnp.sum(x) for x in jax.tree.leaves(u)) > 0, lambda: -g, lambda: -2.0 * g), u)), True),
+    "while_global_norm": (_transform(lambda u: jax.tree.map(lambda g: -g / jax.lax.while_loop(
+        lambda n: n < 1.0, lambda n: n * 2.0, optax.tree.norm(u) + 0.1), u)), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROBE))
+def test_dependency_probe_through_control_flow(name):
+    tx, whole = PROBE[name]
+    m = {"w": jnp.array([[1.0, -2.0]]), "b": jnp.array([0.5, 0.5])}
+    if whole:
+        with pytest.raises(WholeTreeError, match="combines the arrays"):
+            optim.setup(from_optax(tx), m)
+    else:
+        optim.setup(from_optax(tx), m)
+
+
+def test_unhashable_transformation_is_refused():
+    class Tx:
+        __hash__ = None
+        init = staticmethod(lambda p: ())
+        update = staticmethod(lambda u, s, p=None: (u, s))
+
+    with pytest.raises(TypeError, match="not hashable"):
+        from_optax(Tx())
+
+
+def test_check_false_skips_the_probe_and_gives_per_parameter_results():
+    m = {"a": jnp.zeros(2), "b": jnp.zeros(1)}
+    g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([2.0])}
+    state = optim.setup(from_optax(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), check=False), m)
+    _, out = optim.update(state, m, g)
+    close(out["a"], [-0.6, -0.8])                     # per parameter: each clipped to norm 1 (like ClipNorm)
+    close(out["b"], [-1.0])
+
+
+def test_transformation_needing_extra_args_or_a_tree_mask_explains():
+    with pytest.raises(TypeError, match="could not run reduce_on_plateau.*extra_args"):
+        optim.setup(from_optax(optax.contrib.reduce_on_plateau()), {"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match="could not run masked"):
+        optim.setup(from_optax(optax.masked(optax.adam(0.1), {"w": True})), {"w": jnp.ones(2)})
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expected an optax GradientTransformation"):
+        from_optax(3)
+    with pytest.raises(TypeError, match="go with a factory"):
+        from_optax(optax.adam(0.1), lr=0.1)
+    with pytest.raises(TypeError, match="does not take these arguments"):
+        from_optax(optax.adam, lr=0.1, bogus=2.0)
+    with pytest.raises(TypeError, match="missing 1 required"):
+        from_optax(optax.adam)
+    with pytest.raises(TypeError, match="neither a number nor hashable"):
+        from_optax(optax.adam, lr=0.1, mu_dtype=[1])
+    with pytest.raises(TypeError, match="extra_args must be a dict"):
+        from_optax(optax.adam(0.1), extra_args=[("value", 1.0)])
+
+
+def test_repr():
+    assert repr(from_optax(optax.adam(1e-3))) == "from_optax(chain(scale_by_adam, scale))"
+    assert repr(from_optax(optax.adam, lr=0.1, nesterov=True)) == "from_optax(adam, lr=0.1, nesterov=True)"
+
+
+# ------------------------------------------------------------------------------------------ hyperparameters
+def test_factory_form_is_adjustable_without_retracing():
+    m = tied_model()
+    g = jax.grad(loss, allow_int=True)(m)
+    traces = []
+
+    @jax.jit
+    def step(state, m):
+        traces.append(1)
+        return optim.update(state, m, g)
+
+    state = optim.setup(from_optax(optax.adam, lr=0.1, b1=0.9), m)
+    s1, m1 = step(state, m)
+    s2, m2 = step(optim.adjust(s1, lr=0.01, b1=0.5), m1)
+    assert len(traces) == 1
+    # Same as running optax.adam(0.01, b1=0.5) from the first step's optax state:
+    tx = optax.adam(0.01, b1=0.5)
+    u, _ = tx.update(summed(g)["emb"], s1["emb"].state, m1["emb"])
+    close(m2["emb"], m1["emb"] + u)
+    assert float(s2["emb"].rule.lr) == pytest.approx(0.01)
+
+
+def test_factory_form_takes_an_optim_schedule_at_optims_step():
+    m = {"w": jnp.array([1.0, 2.0])}
+    g = {"w": jnp.array([1.0, 1.0])}
+    a = optim.setup(from_optax(optax.sgd, lr=optim.Linear(0.1, 0.0, 4)), m)
+    b = optim.setup(optim.Descent(optim.Linear(0.1, 0.0, 4)), m)
+    ma = mb = m
+    for _ in range(3):
+        a, ma = optim.update(a, ma, g)
+        b, mb = optim.update(b, mb, g)
+    close(ma["w"], mb["w"])
+    close(ma["w"], [1.0 - 0.1 - 0.075 - 0.05, 2.0 - 0.225])
+
+
+def test_inject_hyperparams_keeps_values_in_each_parameters_state():
+    m = tied_model()
+    state = optim.setup(from_optax(optax.inject_hyperparams(optax.adam)(learning_rate=0.1)), m)
+    assert float(state["head"].state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+    # Changing them means rewriting every parameter's state (the factory form is the easy way):
+    leaves = tuple(s._replace(hyperparams={**s.hyperparams, "learning_rate": np.float32(0.01)}) for s in state.leaves)
+    state = optim.State(state.layout, state.rules, leaves, state.step)
+    _, m1 = optim.update(state, m, jax.grad(loss, allow_int=True)(m))
+    close(m1["emb"], run_reference(optax.adam(0.01), steps=1)["emb"])
+
+
+# ------------------------------------------------------------------------------------------ extra args
+def test_extra_args_reach_the_optax_update():
+    tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+    rule = from_optax(tx, extra_args={"value": 0.0})
+    m = {"w": jnp.array([1.0, 2.0])}
+    g = {"w": jnp.array([1.0, 1.0])}
+    state = optim.setup(rule, m)
+    p, s = m, tx.init(m)
+    tx_update = jax.jit(tx.update)
+    for value in (3.0, 2.0, 2.5, 2.6):                 # no improvement after the second: lr halves
+        state = with_extra_args(state, value=value)
+        state, m = optim.update(state, m, g)
+        u, s = tx_update(g, s, p, value=value)
+        p = optax.apply_updates(p, u)
+        close(m["w"], p["w"])
+    assert float(state["w"].state[1].scale) == pytest.approx(0.25)
+    with pytest.raises(TypeError, match="no from_optax rule"):
+        with_extra_args(optim.setup(optim.Adam(), m), value=1.0)
+
+
+def _scaled_sgd():
+    """A per-parameter optax transformation with a tree-shaped extra argument `scale`."""
+    def update(u, s, params=None, *, scale):
+        return jax.tree.map(lambda g, c: -g * c, u, scale), s
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def test_tree_args_are_summed_over_ties_like_gradients():
+    rule = from_optax(_scaled_sgd(), tree_args=("scale",))
+    m = tied_model()
+    g = jax.tree.map(jnp.ones_like, {k: v for k, v in m.items() if k != "step"}) | {"step": None}
+    c = {"emb": jnp.full((2, 3), 0.5), "head": jnp.full((2, 3), 0.25), "b": jnp.full(3, 2.0), "step": None}
+    state = optim.setup(rule, m)
+    _, out = optim.update(state, m, g, c)
+    close(out["emb"], m["emb"] - 2.0 * 0.75)          # summed gradient 2, summed scale 0.75
+    close(out["b"], m["b"] - 2.0)
+    with pytest.raises(TypeError, match="tree_args"):
+        optim.update(state, m, g)
+
+
+# ------------------------------------------------------------------------------------------ to_optax
+def optax_loop(tx, params, steps=3, grad_fn=None, jit=True, **extra):
+    """An unmodified optax training loop."""
+    grad_fn = grad_fn or jax.grad(loss, allow_int=True)
+
+    def train_step(params, opt_state):
+        grads = grad_fn(params)
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
+        return optax.apply_updates(params, updates), opt_state
+
+    if jit:
+        train_step = jax.jit(train_step)
+    opt_state = tx.init(params)
+    for _ in range(steps):
+        params, opt_state = train_step(params, opt_state)
+    return params, opt_state
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_to_optax_in_an_unmodified_optax_loop_is_tie_correct(jit):
+    params, opt_state = optax_loop(to_optax(optim.Adam(0.05)), tied_model(), jit=jit)
+    _, m = run_optim(optim.Adam(0.05))
+    close(params["emb"], m["emb"], rtol=1e-5)
+    close(params["head"], m["emb"], rtol=1e-5)
+    np.testing.assert_array_equal(params["emb"], params["head"])   # tied positions stay equal
+    close(params["b"], m["b"], rtol=1e-5)
+    assert int(params["step"]) == 3
+    assert isinstance(opt_state, optim.State) and opt_state.ties() == {"emb": ("head",)}
+
+
+def test_to_optax_of_from_optax_matches_optax_on_the_deduplicated_tree():
+    params, _ = optax_loop(to_optax(from_optax(optax.adam(0.05))), tied_model())
+    ref = run_reference(optax.adam(0.05))
+    close(params["emb"], ref["emb"], rtol=1e-5)
+    close(params["head"], ref["emb"], rtol=1e-5)
+
+
+def test_to_optax_extra_args_are_per_call_and_keep_the_state_structure():
+    inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+    tx = to_optax(from_optax(inner, extra_args={"value": 0.0}))
+    m = {"w": jnp.array([1.0, 2.0])}
+    g = {"w": jnp.array([1.0, 1.0])}
+    traces = []
+
+    @jax.jit
+    def train_step(p, s, value):
+        traces.append(1)
+        u, s = tx.update(g, s, p, value=value)
+        return optax.apply_updates(p, u), s
+
+    s0 = tx.init(m)
+    p, s = m, s0
+    rp, rs = m, inner.init(m)
+    inner_update = jax.jit(inner.update)
+    for value in (3.0, 2.0, 2.5, 2.6):
+        p, s = train_step(p, s, value)
+        u, rs = inner_update(g, rs, rp, value=value)
+        rp = optax.apply_updates(rp, u)
+        close(p["w"], rp["w"])
+    assert len(traces) == 1
+    assert jax.tree.structure(s) == jax.tree.structure(s0)
+
+    # ... so the optax state can be a lax.scan carry
+    def body(carry, value):
+        p, s = carry
+        u, s = tx.update(g, s, p, value=value)
+        return (optax.apply_updates(p, u), s), None
+
+    (p2, _), _ = jax.lax.scan(body, (m, s0), jnp.array([3.0, 2.0, 2.5, 2.6]))
+    close(p2["w"], rp["w"])
+
+
+def test_to_optax_as_the_last_stage_of_an_optax_chain_and_errors():
+    tx = optax.chain(optax.clip(0.5), to_optax(optim.Descent(1.0)))
+    m = {"w": jnp.array([1.0, 1.0])}
+    s = tx.init(m)
+    u, s = tx.update({"w": jnp.array([3.0, -0.1])}, s, m)
+    close(optax.apply_updates(m, u)["w"], [0.5, 1.1])
+    t = to_optax(optim.Adam())
+    with pytest.raises(ValueError, match="needs params"):
+        t.update(m, t.init(m))
+    with pytest.raises(TypeError, match="expected the state"):
+        t.update(m, optax.adam(0.1).init(m), m)
+    with pytest.raises(TypeError, match="not an optim rule"):
+        to_optax(3)
+
+
+def test_to_optax_explicit_transposed_tie():
+    emb = jnp.array([[1.0, 2.0, 0.5], [0.0, -1.0, 1.0]])
+    params = {"emb": emb, "head": emb.T}
+    lossf = lambda p: jnp.sum((p["head"] @ jnp.array([1.0, -1.0]) - 1.0) ** 2) + jnp.sum(p["emb"][0] ** 2)
+    tx = to_optax(optim.Descent(0.1), ties={"head": ("emb", jnp.transpose)})
+    out, _ = optax_loop(tx, params, steps=2, grad_fn=jax.grad(lossf))
+    ref = {"e": emb}
+    for _ in range(2):
+        ref = {"e": ref["e"] - 0.1 * jax.grad(lambda e: lossf({"emb": e, "head": e.T}))(ref["e"])}
+    close(out["emb"], ref["e"])
+    close(out["head"], ref["e"].T)
