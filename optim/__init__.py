@@ -17,12 +17,12 @@ from ._destructure import destructure, trainables
 from ._rules import (
     AccumGrad, AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGlobalNorm, ClipGrad, ClipNorm,
     Descent, Gated, Lion, MixedPrecision, Momentum, Muon, NAdam, Nesterov, OAdam, OptimiserChain, RAdam, Replace,
-    RMSProp, Rprop, Rule, SignDecay, SkipNonFinite, WeightDecay, apply_all, apply_step, chain, global_norm,
+    RMSProp, Rprop, Rule, SignDecay, SkipNonFinite, WeightDecay, apply_all, apply_step, chain,
 )
 from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
 from ._state import Layout, Leaf, PathError, State, setup
 from ._surgery import graft, reset, subtree
-from ._update import tie_grads, update
+from ._update import global_norm, tie_grads, update
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
     "ClipNorm", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
-    "Muon", "apply_all", "global_norm",
+    "Muon", "apply_all",
 ]
 
 
@@ -707,7 +707,7 @@ class MixedPrecision(Rule):
 
 
 # ------------------------------------------------------------------------------------- whole-model rules
-def global_norm(dxs: list) -> jax.Array:
+def _joint_norm(dxs: list) -> jax.Array:
     """The 2-norm of several arrays taken together, accumulated in float32 or wider."""
     total = sum((jnp.sum(_abs2(d).astype(jnp.promote_types(_real(d), jnp.float32))) for d in dxs),
                 jnp.zeros((), jnp.float32))
@@ -720,6 +720,12 @@ class ClipGlobalNorm(Rule):
     The norm counts each parameter once, with the summed gradient of its tie group (optax's
     `clip_by_global_norm` counts a tied weight once per position). Put it first in a chain:
     `OptimiserChain(ClipGlobalNorm(1.0), AdamW(3e-4))`. Parameters with a `None` gradient do not count.
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
+    >>> s = optim.setup(optim.chain(optim.ClipGlobalNorm(1.0), optim.Descent(1.0)), m)
+    >>> optim.update(s, m, {"a": jnp.array([3.0]), "b": jnp.array([4.0])})[1]
+    {'a': Array([-0.6], dtype=float32), 'b': Array([-0.8], dtype=float32)}
     """
 
     max_norm: Any = 1.0
@@ -730,7 +736,7 @@ class ClipGlobalNorm(Rule):
 
     def apply_tree(self, states, xs, dxs):
         g = [d[0] for d in dxs]
-        norm = global_norm(g)
+        norm = _joint_norm(g)
         return list(states), [d * jnp.minimum(_hp(self.max_norm, d) / norm.astype(_real(d)), 1) for d in g]
 
 
@@ -738,6 +744,12 @@ class SkipNonFinite(Rule):
     """Skip the whole step when any gradient has a NaN or Inf: the model and every parameter's state are left
     as they were (branch-free), and the state counts the skipped steps. Wrap the whole rule:
     `SkipNonFinite(OptimiserChain(ClipGlobalNorm(1.0), Adam()))`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.ones(2)}
+    >>> s, m2 = optim.update(optim.setup(optim.SkipNonFinite(optim.Adam()), m), m, {"a": jnp.array([1.0, jnp.nan])})
+    >>> m2["a"], int(s["a"].state[1])
+    (Array([1., 1.], dtype=float32), 1)
     """
 
     rule: Any = None

@@ -266,6 +266,10 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     >>> state = optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "step": 0})
     >>> state.ties()
     {'emb': ('head',)}
+    >>> state = optim.setup(lambda path, x: optim.Muon(0.02) if x.ndim == 2 else optim.AdamW(3e-4),
+    ...                     {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+    >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
+    ('Muon', 'AdamW')
     """
     if not _is_rule(rule) and not callable(rule):
         raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")

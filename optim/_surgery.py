@@ -18,7 +18,14 @@ from ._tree import PyTree, _key_name, show
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
     """Re-initialise the optimiser state of the matching parameters (all with no pattern): zero momenta, restart
-    bias corrections. Rules whose state depends on the parameter's value (`MixedPrecision`) need `model`."""
+    bias corrections. Rules whose state depends on the parameter's value (`MixedPrecision`) need `model`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> s, m = optim.update(optim.setup(optim.Momentum(0.1), m), m, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    >>> optim.reset(s, "a")["a"].state, optim.reset(s, "a")["b"].state
+    (array([0., 0.], dtype=float32), Array([0.1, 0.1], dtype=float32))
+    """
     from ._adjust import _select
 
     chosen = _select(state, patterns, "reset")
@@ -54,6 +61,11 @@ def subtree(state: State, path: str) -> State:
 
     A tie group reaching outside the submodel keeps its members inside it; a position tied through a function
     whose canonical lies outside is an error.
+
+    >>> import jax.numpy as jnp, optim
+    >>> state = optim.setup(optim.Adam(), {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(3)})
+    >>> optim.subtree(state, "encoder").paths()
+    ['w']
     """
     lay = state.layout
     full = lay.treedef.unflatten(list(range(lay.treedef.num_leaves)))
@@ -75,7 +87,15 @@ def subtree(state: State, path: str) -> State:
 
 
 def graft(state: State, path: str, sub: State) -> State:
-    """Put the per-parameter states of `sub` (a state for the submodel at `path`) into `state`."""
+    """Put the per-parameter states of `sub` (a state for the submodel at `path`) into `state`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> model = {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(3)}
+    >>> state = optim.setup(optim.Momentum(0.1), model)
+    >>> sub, _ = optim.update(optim.subtree(state, "encoder"), model["encoder"], {"w": jnp.ones(2)})
+    >>> optim.graft(state, "encoder", sub)["encoder.w"].state
+    Array([0.1, 0.1], dtype=float32)
+    """
     lay = state.layout
     new = list(state.leaves)
     for rel, leaf in sub.items():

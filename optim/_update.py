@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rules import apply_all, apply_step
+from ._rules import _joint_norm, apply_all, apply_step
 from ._schedules import resolve
 from ._state import Layout, State, unwrap
 from ._tree import PyTree, describe, dotted, prefixes, show, structure_diff
@@ -82,6 +82,12 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
     without a gradient (Optimisers.jl #211). Feed it to `optax.global_norm` to log a norm that counts each
     parameter once, or back to `update` as an already-summed gradient. `model` is needed only for ties
     through a function (the pull-back is evaluated at the canonical value).
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.zeros(2)
+    >>> state = optim.setup(optim.Adam(), {"a": w, "b": w, "n": 1})
+    >>> optim.tie_grads(state, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "n": None})
+    {'a': Array([4., 6.], dtype=float32), 'b': None, 'n': None}
     """
     if model is None:
         if any(p.transforms for p in state.layout.params):
@@ -95,6 +101,21 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
         jax.ShapeDtypeStruct(state.layout.params[u].shape, state.layout.params[u].dtype) for u in prog.graded)
     summed = _sums_jit(prog, xs, (_take(flat[0], prog.grad_take[0]),))
     return _grad_tree(prog, summed, treedef)
+
+
+def global_norm(grads: PyTree, state: State | None = None) -> jax.Array:
+    """The 2-norm of a whole gradient tree. With `state`, each parameter counts once, with the gradient summed
+    over its tie group (`optax.global_norm` counts a tied weight once per position, with its partial gradient).
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.zeros(2)
+    >>> state = optim.setup(optim.Adam(), {"enc": w, "dec": w})
+    >>> g = {"enc": jnp.array([3.0, 4.0]), "dec": jnp.array([3.0, 4.0])}
+    >>> float(optim.global_norm(g, state)), round(float(optim.global_norm(g)), 4)
+    (10.0, 7.0711)
+    """
+    leaves = jax.tree.leaves(tie_grads(state, grads) if state is not None else grads)
+    return _joint_norm([jnp.asarray(g) for g in leaves])
 
 
 def _grad_tree(prog: Program, summed: tuple, treedef) -> PyTree:
