@@ -11,7 +11,7 @@ $(BIN)/python:
 
 demo: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[demo]'
-	$(BIN)/python examples/tied_weights.py
+	$(BIN)/python examples/train_tied_lm.py
 
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'

@@ -720,6 +720,8 @@ class ClipGlobalNorm(Rule):
     The norm counts each parameter once, with the summed gradient of its tie group (optax's
     `clip_by_global_norm` counts a tied weight once per position). Put it first in a chain:
     `OptimiserChain(ClipGlobalNorm(1.0), AdamW(3e-4))`. Parameters with a `None` gradient do not count.
+    The norm covers the parameters that share this rule: all of them, unless `setup` was given a rule per leaf,
+    in which case each distinct rule clips its own parameters.
 
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.zeros(1), "b": jnp.zeros(1)}

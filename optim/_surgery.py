@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._state import Layout, Param, PathError, State, _init_states, _reads_nothing, unwrap
-from ._tree import PyTree, _key_name, show
+from ._tree import PyTree, _key_name, show, structure_diff
+from ._update import _paths
 
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
@@ -108,3 +109,32 @@ def graft(state: State, path: str, sub: State) -> State:
                              "(another rule or parameter shape?)")
         new[u] = leaf.state
     return State(lay, state.rules, tuple(new), state.step)
+
+
+def retie(state: State, model: PyTree) -> PyTree:
+    """`model` with every tie group's positions holding the canonical position's array object again.
+
+    A jitted step returns tied positions as separate (equal) buffers: the state still knows the tie, but
+    identity-based tools (`trainables`, `destructure`, a fresh `setup`) do not. Call `retie` eagerly before
+    them. A position tied through a function gets `f(canonical)`.
+
+    >>> import jax, jax.numpy as jnp, optim
+    >>> w = jnp.ones(2)
+    >>> state = optim.setup(optim.Descent(0.1), {"a": w, "b": w})
+    >>> state, m = jax.jit(optim.update)(state, {"a": w, "b": w}, {"a": w, "b": w})
+    >>> m["a"] is m["b"], len(optim.trainables(optim.retie(state, m)))
+    (False, 1)
+    """
+    lay = state.layout
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    if treedef != lay.treedef:
+        raise ValueError("retie: the model does not have the structure this state was set up for: "
+                         + structure_diff(list(lay.paths), _paths(model)))
+    out = list(leaves)
+    for p in lay.params:
+        x = leaves[p.canonical]
+        for i in p.members:
+            out[i] = x
+        for t in p.transforms:
+            out[t[0]] = t[1](x)
+    return treedef.unflatten(out)

@@ -15,6 +15,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# With 8 simulated devices on 2 cores, XLA's CPU collectives can starve ("Expected 8 threads ... only 7
+# arrived"); more PJRT worker threads avoid it (seen with jaxlib 0.10.2, as in examples/data_parallel.py).
+os.environ.setdefault("PJRT_NPROC", str(max(32, os.cpu_count() or 1)))
 
 import json  # noqa: E402
 import sys  # noqa: E402

@@ -85,3 +85,18 @@ def test_tie_grads_and_return_grads():
     close(m2["b"], m1["b"])
     s3, m3, rg3 = jax.jit(lambda s, m, g: optim.update(s, m, g, return_grads=True))(state, m, g)
     close(rg3["a"], [4.0, 6.0])
+
+
+def test_retie_after_a_jitted_step():
+    w = jnp.ones(2)
+    m = {"a": w, "b": w, "t": jnp.ones((2, 1))}
+    state = optim.setup(optim.Descent(0.1), m, ties={"t": ("a", lambda x: x.reshape(2, 1))})
+    g = {"a": jnp.ones(2), "b": jnp.ones(2), "t": jnp.ones((2, 1))}
+    state, m2 = jax.jit(optim.update)(state, m, g)
+    assert m2["a"] is not m2["b"]
+    r = optim.retie(state, m2)
+    assert r["a"] is r["b"] and len(optim.trainables(r)) == 2
+    close(r["t"], np.asarray(r["a"]).reshape(2, 1))
+    assert optim.setup(optim.Descent(0.1), r).ties() == {"a": ("b",)}
+    with pytest.raises(ValueError, match="missing 'b'"):
+        optim.retie(state, {"a": w, "t": w})
