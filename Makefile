@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ demo: $(BIN)/python
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) *.egg-info
