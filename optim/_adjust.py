@@ -98,8 +98,7 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
         return rule
     if isinstance(rule, Rule):
         type(rule).__post_init__(_Probe(rule, changes))   # validate the plain values (e.g. lr >= 0)
-    new = jax.tree_util.tree_unflatten(*_swap(rule, changes))
-    return new
+    return _swap(rule, changes)
 
 
 class _Probe:
@@ -112,17 +111,14 @@ class _Probe:
         return self._changes[name] if name in self._changes else getattr(self._rule, name)
 
 
-def _swap(rule: Any, changes: dict) -> tuple[Any, list]:
-    children, treedef = jax.tree_util.tree_flatten_with_path(rule, is_leaf=lambda x: x is None)
-    # Rebuild field by field so that the new values take the old leaves' dtypes.
-    fields = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
-    for k, v in changes.items():
-        fields[k] = _convert(v, fields[k])
+def _swap(rule: Any, changes: dict) -> Any:
+    """A copy of `rule` with `changes`, each new value in the form (dtype) of the field it replaces. Built without
+    `__init__`, like JAX's unflatten: the values were validated above, and may be tracers."""
     new = object.__new__(type(rule))
-    for k, v in fields.items():
-        object.__setattr__(new, k, v)
-    leaves, treedef = jax.tree_util.tree_flatten(new)
-    return treedef, leaves
+    for f in dataclasses.fields(rule):
+        old = getattr(rule, f.name)
+        object.__setattr__(new, f.name, _convert(changes[f.name], old) if f.name in changes else old)
+    return new
 
 
 def freeze(state: State, *patterns: str) -> State:

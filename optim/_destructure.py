@@ -61,8 +61,9 @@ def destructure(model: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]
         parts, start = [], 0
         for (shape, dt), n in zip(specs, sizes):
             part = v[start:start + n].reshape(shape)
-            parts.append(part.astype(dt) if jnp.iscomplexobj(part) or not jnp.issubdtype(dt, jnp.complexfloating)
-                         else part.astype(dt))
+            if jnp.iscomplexobj(part) and not jnp.issubdtype(dt, jnp.complexfloating):
+                part = jnp.real(part)   # a real leaf in a vector promoted to complex by another leaf
+            parts.append(part.astype(dt))
             start += n
         out = [parts[j] if j >= 0 else x for j, x in zip(owner, leaves)]
         return treedef.unflatten(out)
