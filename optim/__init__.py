@@ -21,13 +21,13 @@ from ._rules import (
 )
 from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
 from ._state import Layout, Leaf, PathError, State, setup
-from ._surgery import graft, reset, retie, subtree
+from ._surgery import donatable, graft, reset, retie, subtree
 from ._update import global_norm, tie_grads, update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError", "adjust", "freeze", "thaw", "reset", "retie", "subtree", "graft", "trainables",
+    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError", "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
     "destructure",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",

@@ -138,3 +138,29 @@ def retie(state: State, model: PyTree) -> PyTree:
         for t in p.transforms:
             out[t[0]] = t[1](x)
     return treedef.unflatten(out)
+
+
+def donatable(state: State, model: PyTree) -> PyTree:
+    """A copy of `model` with a separate buffer at every tied position, so that `jax.jit(step, donate_argnums=...)`
+    can donate it (the input model stays usable): JAX refuses to donate one buffer twice ("Attempt to donate the same buffer twice"). The state's
+    tie map keeps the positions tied through the jitted steps; `retie` makes them one object again.
+
+    >>> import jax, jax.numpy as jnp, optim
+    >>> w = jnp.ones(2)
+    >>> state = optim.setup(optim.Descent(0.1), {"a": w, "b": w})
+    >>> m = optim.donatable(state, {"a": w, "b": w})
+    >>> m["a"] is m["b"], bool((m["a"] == m["b"]).all())
+    (False, True)
+    """
+    lay = state.layout
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    if treedef != lay.treedef:
+        raise ValueError("donatable: the model does not have the structure this state was set up for: "
+                         + structure_diff(list(lay.paths), _paths(model)))
+    # Every position of a shared buffer gets its own copy, so donating the result leaves `model` usable.
+    counts: dict[int, int] = {}
+    for x in leaves:
+        counts[id(x)] = counts.get(id(x), 0) + 1
+    out = [jnp.array(x, copy=True) if lay.param_of[i] >= 0 and counts[id(x)] > 1 else x
+           for i, x in enumerate(leaves)]
+    return treedef.unflatten(out)

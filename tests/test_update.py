@@ -291,3 +291,34 @@ def test_equinox_module_with_filter_grad():
         state, model = optim.update(state, model, eqx.filter_grad(loss)(model))
     assert loss(model) < l0
     assert isinstance(model, eqx.nn.MLP)
+
+
+def test_donating_a_fresh_state_works_eagerly_and_in_a_user_jit():
+    m = {"w": jnp.ones(3), "v": jnp.ones(3)}
+    g = {"w": jnp.ones(3), "v": jnp.ones(3)}
+    for rule in (optim.Adam(0.1), optim.AMSGrad(0.1), optim.chain(optim.ClipNorm(1.0), optim.RAdam(0.1))):
+        optim.update(optim.setup(rule, m), jax.tree.map(jnp.copy, m), g, donate=True)
+        step = jax.jit(optim.update, donate_argnums=(0, 1))
+        s, out = step(optim.setup(rule, m), jax.tree.map(jnp.copy, m), g)
+        s, out = step(s, out, g)
+        assert out["w"].shape == (3,)
+
+
+def test_donatable_lets_a_user_jit_donate_a_tied_model():
+    w = jnp.ones((4, 4))
+    model = {"emb": w, "head": w}
+    state = optim.setup(optim.Adam(1e-3), model)
+
+    def train_step(s, m, x):
+        return optim.update(s, m, jax.grad(lambda m: jnp.sum((x @ m["emb"]) @ m["head"].T))(m))
+
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    m = optim.donatable(state, model)
+    assert m["emb"] is not m["head"] and model["emb"] is model["head"]
+    for _ in range(3):
+        state, m = step(state, m, jnp.ones((2, 4)))
+    np.testing.assert_array_equal(m["emb"], m["head"])
+    ref_state, ref = optim.setup(optim.Adam(1e-3), model), model
+    for _ in range(3):
+        ref_state, ref = train_step(ref_state, ref, jnp.ones((2, 4)))
+    close(m["emb"], ref["emb"])
