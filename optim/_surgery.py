@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._state import Layout, Param, PathError, State, _init_states, _reads_nothing, unwrap
-from ._tree import PyTree, _key_name, show, structure_diff
-from ._update import _paths
+from ._tree import PyTree, _key_name, show
+from ._update import flatten_like
 
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
@@ -126,10 +126,7 @@ def retie(state: State, model: PyTree) -> PyTree:
     (False, 1)
     """
     lay = state.layout
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    if treedef != lay.treedef:
-        raise ValueError("retie: the model does not have the structure this state was set up for: "
-                         + structure_diff(list(lay.paths), _paths(model)))
+    leaves, treedef = flatten_like(lay, model, "retie")
     out = list(leaves)
     for p in lay.params:
         x = leaves[p.canonical]
@@ -153,10 +150,7 @@ def donatable(state: State, model: PyTree) -> PyTree:
     (False, True)
     """
     lay = state.layout
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    if treedef != lay.treedef:
-        raise ValueError("donatable: the model does not have the structure this state was set up for: "
-                         + structure_diff(list(lay.paths), _paths(model)))
+    leaves, treedef = flatten_like(lay, model, "donatable")
     # Every position of a shared buffer gets its own copy, so donating the result leaves `model` usable.
     counts: dict[int, int] = {}
     for x in leaves:

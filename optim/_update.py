@@ -129,10 +129,7 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
     if not isinstance(state, State):
         raise TypeError(f"{who}: expected the State from optim.setup as first argument, got {type(state).__name__}")
     lay = state.layout
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    if check_model and treedef != lay.treedef:
-        raise ValueError(f"{who}: the model does not have the structure this state was set up for: "
-                         + structure_diff(list(lay.paths), _paths(model)))
+    leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
     key = (lay, *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
@@ -142,6 +139,15 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
         if len(_PROGRAMS) > _MAX_PROGRAMS:
             _PROGRAMS.popitem(last=False)
     return prog, leaves, treedef, [g for g, _ in flat]
+
+
+def flatten_like(lay: Layout, model: PyTree, who: str) -> tuple[list, Any]:
+    """Flatten `model`, which must have the structure `lay` was set up for (else a ValueError naming paths)."""
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    if treedef != lay.treedef:
+        raise ValueError(f"{who}: the model does not have the structure this state was set up for: "
+                         + structure_diff(list(lay.paths), _paths(model)))
+    return leaves, treedef
 
 
 def _paths(tree: PyTree) -> list[str]:
