@@ -40,3 +40,17 @@ def test_beyond_the_anchors_block():
     exec(block, scope)
     assert int(scope["state"].step) == 1
     np.testing.assert_allclose(float(optim.global_norm(scope["g"])), 10.0, rtol=1e-6)
+
+
+def test_optax_block():
+    import jax
+    import jax.numpy as jnp
+    import optim
+
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "to_optax" in b)
+    w = jnp.array([1.0, 2.0])
+    scope = {"jax": jax, "optim": optim, "model": {"a": w, "b": w}, "grads": {"a": jnp.ones(2), "b": jnp.ones(2)}}
+    exec(block, scope)
+    assert scope["state"].ties() == {"a": ("b",)}
+    np.testing.assert_allclose(scope["model"]["a"], scope["model"]["b"])
+    assert not np.allclose(scope["model"]["a"], w)
