@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._tree import PyTree, describe, flatten, is_trainable, show
-from ._ties import tie_groups
+from ._ties import tie_groups, tie_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,12 +339,7 @@ def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list
         if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and callable(spec[1])):
             raise TypeError(f"ties[{src!r}]: expected a path or (path, function), got {spec!r}")
         dst, f = spec
-        for p in (src, dst):
-            if p not in index:
-                raise PathError(f"ties: {show(p)} is not a leaf of the model{_suggest(p, tuple(paths))}")
-            if not trainable[index[p]]:
-                raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])})")
-        i, j = index[src], index[dst]
+        i, j = tie_positions(index, leaves, trainable, src, dst)
         c = canon_of[j]
         if len(groups.get(canon_of[i], ())) > 1 or canon_of[i] in out or i == c:
             raise ValueError(f"ties: {show(src)} is already tied to other positions; a transformed tie needs a "

@@ -38,15 +38,7 @@ def _merge_explicit(groups: dict[int, list[int]], paths: Any, leaves: list[Any],
     index = {p: i for i, p in enumerate(paths)}
     targets: set[int] = set()
     for src, dst in ties.items():
-        if not isinstance(dst, str):
-            raise TypeError(f"ties[{src!r}]: expected a dotted path string, got {type(dst).__name__} "
-                            "(transformed ties such as (path, jnp.transpose) are not supported yet)")
-        for p in (src, dst):
-            if p not in index:
-                raise ValueError(f"ties: {show(p)} is not a leaf of the model")
-            if not trainable[index[p]]:
-                raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])}); "
-                                 "only floating or complex arrays can be tied")
+        tie_positions(index, leaves, trainable, src, dst)
         a, b = leaves[index[src]], leaves[index[dst]]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"ties: {show(src)} ({describe(a)}) and {show(dst)} ({describe(b)}) "
@@ -63,3 +55,20 @@ def _merge_explicit(groups: dict[int, list[int]], paths: Any, leaves: list[Any],
         canon = min(explicit) if explicit else members[0]
         out[canon] = (canon,) + tuple(i for i in members if i != canon)
     return dict(sorted(out.items()))
+
+
+def tie_positions(index: Mapping[str, int], leaves: list[Any], trainable: list[bool], *paths: str) -> list[int]:
+    """The positions of the paths named in a tie, each of which must be a trainable leaf of the model."""
+    out = []
+    for p in paths:
+        if p not in index:
+            import difflib
+
+            close = difflib.get_close_matches(p, list(index), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"ties: {show(p)} is not a leaf of the model{hint}")
+        if not trainable[index[p]]:
+            raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])}); "
+                             "only floating or complex arrays can be tied")
+        out.append(index[p])
+    return out
