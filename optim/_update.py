@@ -35,6 +35,7 @@ class Program:
     layout: Layout
     graded: tuple[int, ...]               # parameters with a gradient in the first tree (frozen ones too)
     active: tuple[int, ...]               # indices into `graded` of the parameters that step (not frozen)
+    stepping: tuple[int, ...]             # ... and those parameters' own indices
     param_pos: tuple[int, ...]            # model position read for each graded parameter (its canonical)
     check_pos: tuple[int, ...]            # every other trainable position, only to validate shapes
     grad_take: tuple[tuple[int, ...], ...]   # per gradient tree: which flat gradient leaves to pass
@@ -67,7 +68,7 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
     run = _core_donated if donate else _core_jit
     new_states, new_params, step, summed = run(
-        prog, return_grads, state.rules, _take(state.leaves, _take(prog.graded, prog.active)),
+        prog, return_grads, state.rules, _take(state.leaves, prog.stepping),
         _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
     new_leaves = _take(new_params + tuple(leaves), prog.out_src)
     new_state = State(state.layout, state.rules, _take(new_states + state.leaves, prog.state_src), step)
@@ -197,7 +198,7 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
         paths.append(tuple(gpaths[j] for j in order))
         slots.append(tuple(per_param))
     # Outputs of _core: one new array per stepping parameter, then one per transformed member of those.
-    stepping = [graded[a] for a in active]
+    stepping = tuple(graded[a] for a in active)
     n_new = len(stepping) + sum(len(lay.params[u].transforms) for u in stepping)
     out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
     state_src = [len(stepping) + u for u in range(len(lay.params))]
@@ -211,8 +212,8 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
             extra += 1
     canon = {lay.params[u].canonical for u in graded}
     check = tuple(i for p in lay.params for i in p.members + tuple(t[0] for t in p.transforms) if i not in canon)
-    return Program(lay, graded, active, tuple(lay.params[u].canonical for u in graded), check, tuple(take),
-                   tuple(paths), tuple(slots), tuple(out_src), tuple(state_src))
+    return Program(lay, graded, active, stepping, tuple(lay.params[u].canonical for u in graded), check,
+                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(state_src))
 
 
 def _check_param(x: Any, lay: Layout, i: int) -> None:
@@ -278,8 +279,8 @@ def _core(prog: Program, want_grads: bool, rules: tuple, states: tuple, params: 
     summed = _sums(prog, params, grads)
     rules = resolve(tuple(unwrap(r) for r in rules), step)
     by_rule: dict[int, list[int]] = {}
-    for j, a in enumerate(prog.active):
-        by_rule.setdefault(lay.params[prog.graded[a]].rule, []).append(j)
+    for j, u in enumerate(prog.stepping):
+        by_rule.setdefault(lay.params[u].rule, []).append(j)
     new_states: list = [None] * len(prog.active)
     new_params: list = [None] * len(prog.active)
     for r, js in by_rule.items():
@@ -290,8 +291,7 @@ def _core(prog: Program, want_grads: bool, rules: tuple, states: tuple, params: 
         for j, x, st, d in zip(js, xs, sts, steps):
             new_states[j] = _same_dtypes(st, states[j])
             new_params[j] = apply_step(x, d)
-    copies = [t[1](new_params[j]) for j, a in enumerate(prog.active)
-              for t in lay.params[prog.graded[a]].transforms]
+    copies = [t[1](new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
     return tuple(new_states), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out
