@@ -123,7 +123,7 @@ class OptimEager(Candidate):
         jax.block_until_ready((self.state, self.model))
 
     def state_bytes(self):
-        return tree_bytes(self.state.leaves)
+        return tree_bytes(self.state.stacks)
 
 
 class OptimJit(Candidate):
@@ -147,7 +147,7 @@ class OptimJit(Candidate):
         jax.block_until_ready((self.state, self.model))
 
     def state_bytes(self):
-        return tree_bytes(self.state.leaves)
+        return tree_bytes(self.state.stacks)
 
 
 class Optax(Candidate):

@@ -96,7 +96,8 @@ def main(argv=None):
     new = {"backbone": model["backbone"], "head": mlp_init(k[5], [64, 3])[0]}
     state_b = optim.setup(rule, new, like=state)
     kept = [p for p in state_b.paths() if p.startswith("backbone")]
-    assert all(state_b[p].state is state[p].state for p in kept), "backbone state was not carried over"
+    same = lambda a, b: all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert all(same(state_b[p].state, state[p].state) for p in kept), "backbone state was not carried over"
     start_model, start_state = new, state_b
     val = jax.jit(mse)
     print(f"task B before fine-tuning: val loss {float(val(new, xb_val, yb_val)):.4f}  "

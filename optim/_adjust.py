@@ -45,7 +45,7 @@ def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
         have = sorted(_fields(state.rules if isinstance(state, State) else (state,)))
         raise TypeError(f"adjust: no rule here has {', '.join(unknown)}; adjustable: {', '.join(have) or 'none'}")
     if isinstance(state, State):
-        return State(state.layout, rules, state.leaves, state.step)
+        return State(state.layout, rules, state.stacks, state.step)
     return rules[0]
 
 

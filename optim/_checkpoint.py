@@ -86,9 +86,10 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     meta["rules"] = rules
 
     params = []
+    per_param = _param_states(state)
     for u, p in enumerate(lay.params):
         where = show(paths[p.canonical])
-        leaves, treedef = jax.tree_util.tree_flatten(state.leaves[u])
+        leaves, treedef = jax.tree_util.tree_flatten(per_param[u])
         params.append({
             "canonical": paths[p.canonical], "members": [paths[i] for i in p.members],
             "transforms": [[paths[t[0]], _fname(t[1]), list(t[2]), jnp.dtype(t[3]).name] for t in p.transforms],
@@ -118,6 +119,17 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     meta["data_bytes"] = size = writer.fetch()
     body = json.dumps(meta, separators=(",", ":")).encode()
     _write_atomic(os.fspath(path), body, writer.arrays, writer.entries, size)
+
+
+def _param_states(state: State) -> list:
+    """One optimiser state per parameter. The file stores them per parameter (not per stacking group), so it
+    does not depend on how a version of optim groups parameters. Stacks are fetched to the host once and sliced
+    there, when this process can see all of them."""
+    stacks = state.stacks
+    if all(not isinstance(a, jax.Array) or (a.is_fully_addressable and not isinstance(a, jax.core.Tracer))
+           for a in jax.tree.leaves(stacks)):
+        stacks = jax.device_get(stacks)
+    return State(state.layout, state.rules, stacks, state.step).param_states()
 
 
 class _Writer:
@@ -409,14 +421,14 @@ def _match(meta: dict, like: State, like_model: Any) -> Any:
         rule_of_saved.setdefault(k, like_rule)
 
         # the optimiser state: like's structure, the file's arrays (checked for shape and dtype)
-        like_leaves, like_def = jax.tree_util.tree_flatten(like.leaves[lu])
+        like_leaves, like_def = jax.tree_util.tree_flatten(like.param_state(lu))
         if _signature(like_def) != sp["state_structure"] or len(like_leaves) != len(sp["state"]):
             raise _Mismatch(f"the optimiser state of {where} has another structure: the checkpoint's rule is "
                             f"{saved_rule['repr']}, like='s is {_clean(repr(unwrap(like_rule)))}")
         for j, (entry, x) in enumerate(zip(sp["state"], like_leaves)):
             _want_like(plan, entry, x, f"optimiser state {j} of {where}")
         states.append((like_def, sp["state"], like_leaves))
-        params.append(Param(c, tuple(members), shape, dtype, k, tuple(transforms)))
+        params.append(Param(c, tuple(members), shape, dtype, k, tuple(transforms), lp.place))
         if not isinstance(sp["frozen"], bool):
             raise TypeError("frozen flag is not a bool")
         frozen.append(sp["frozen"])
@@ -502,13 +514,22 @@ def _match(meta: dict, like: State, like_model: Any) -> Any:
         new_rules = tuple(jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in rule_parts)
         new_states = tuple(jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts)
         step = jnp.asarray(arrays[meta["step"]["array"]], jnp.int32)
-        state = State(new_layout, new_rules, new_states, step)
+        state = State.of_params(new_layout, new_rules, list(new_states), step)
+        if new_layout == like.layout:     # stacks go where like='s stacks are (the same shardings, spelled alike)
+            state = State(new_layout, new_rules, jax.tree.map(_place_like, state.stacks, like.stacks), step)
         if like_leaves_m is None:
             return state
         return state, lay.treedef.unflatten([v.value for v in out])
 
     plan.build = build
     return plan
+
+
+def _place_like(a: Any, like: Any) -> Any:
+    if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and (
+            not isinstance(a, jax.Array) or a.sharding != like.sharding):
+        return jax.device_put(a, like.sharding)
+    return a
 
 
 class _Value:

@@ -61,8 +61,14 @@ def apply_step(x: jax.Array, step: Any) -> jax.Array:
     if isinstance(step, Replace):
         return step.value.astype(x.dtype)
     if isinstance(step, Gated):
-        return jnp.where(step.ok, apply_step(x, step.step), x)
+        return _where(step.ok, apply_step(x, step.step), x)
     return (x - step).astype(x.dtype)
+
+
+def _where(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.where` with `ok` aligned on the leading axes: a stacked group's gate has one entry per member."""
+    ok = jnp.asarray(ok)
+    return jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(a) - ok.ndim)), a, b)
 
 
 # ----------------------------------------------------------------------------------------------- base
@@ -568,25 +574,30 @@ class ClipNorm(Rule):
 
 
 def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
-    """Run `rule` on several parameters at once: `dxs[i]` is the tuple of gradients of parameter `i`.
+    """Run `rule` on several *stacks* of parameters at once. Entry `i` is a group of parameters stacked on a
+    leading axis: `xs[i]`, its states `states[i]` (stacked alike) and `dxs[i]`, the tuple of its gradients.
 
     Rules that look across parameters (`ClipGlobalNorm`, `SkipNonFinite`, chains containing them) implement
-    `apply_tree(states, xs, dxs)`; every other rule runs independently on each parameter.
+    `apply_tree(states, xs, dxs)` over such stacks; every other rule's per-parameter `apply` is vmapped over
+    each stack, which computes exactly what a loop over the parameters would.
     """
     if hasattr(rule, "apply_tree"):
         return rule.apply_tree(states, xs, dxs)
-    out = [rule.apply(s, x, *d) for s, x, d in zip(states, xs, dxs)]
+    out = [jax.vmap(rule.apply)(s, x, *d) for s, x, d in zip(states, xs, dxs)]
     return [o[0] for o in out], [o[1] for o in out]
 
 
 def _one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
-    """`apply` for one parameter, in terms of `apply_tree`."""
-    states, steps = rule.apply_tree([state], [x], [dxs])
-    return states[0], steps[0]
+    """`apply` for one parameter, in terms of `apply_tree` (a stack of one)."""
+    def lead(t):
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), t)
+
+    states, steps = rule.apply_tree([lead(state)], [lead(x)], [lead(tuple(dxs))])
+    return jax.tree.map(lambda a: a[0], (states[0], steps[0]))
 
 
 def _gate(new: Any, old: Any, ok: Any) -> Any:
-    return new if ok is None else jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return new if ok is None else jax.tree.map(lambda a, b: _where(ok, a, b), new, old)
 
 
 class OptimiserChain(Rule):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._state import Layout, Param, PathError, State, _init_states, _reads_nothing, unwrap
+from ._state import Layout, Param, PathError, State, _reads_nothing, init_group, unwrap
 from ._tree import PyTree, _key_name, show
 from ._update import flatten_like
 
@@ -25,14 +25,14 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
     >>> m = {"a": jnp.ones(2), "b": jnp.ones(2)}
     >>> s, m = optim.update(optim.setup(optim.Momentum(0.1), m), m, {"a": jnp.ones(2), "b": jnp.ones(2)})
     >>> optim.reset(s, "a")["a"].state, optim.reset(s, "a")["b"].state
-    (array([0., 0.], dtype=float32), Array([0.1, 0.1], dtype=float32))
+    (Array([0., 0.], dtype=float32), Array([0.1, 0.1], dtype=float32))
     """
     from ._adjust import _select
 
     chosen = _select(state, patterns, "reset")
     lay = state.layout
     leaves = lay.treedef.flatten_up_to(model) if model is not None else None
-    new = list(state.leaves)
+    new = {}
     for u in sorted(set(chosen)):
         p = lay.params[u]
         rule = unwrap(state.rules[p.rule])
@@ -40,8 +40,9 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
             raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
                              "value; pass model=")
         x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)
-        new[u] = _init_states(rule, [x], [p.canonical], lay.paths)[0]
-    return State(lay, state.rules, tuple(new), state.step)
+        stacked = init_group(rule, [x], lambda p=p: lay.paths[p.canonical])
+        new[u] = jax.tree.map(lambda a: a[0], stacked)
+    return state.with_param_states(new)
 
 
 def _node_at(tree: Any, path: str) -> Any:
@@ -58,7 +59,8 @@ def _node_at(tree: Any, path: str) -> Any:
 
 
 def subtree(state: State, path: str) -> State:
-    """The state of the submodel at dotted `path`, as `setup` would give for that submodel (sharing arrays).
+    """The state of the submodel at dotted `path`, as `setup` would give for that submodel (its parameters'
+    states are copied out of the stacks).
 
     A tie group reaching outside the submodel keeps its members inside it; a position tied through a function
     whose canonical lies outside is an error.
@@ -81,10 +83,10 @@ def subtree(state: State, path: str) -> State:
                 raise ValueError(f"subtree: {show(lay.paths[p.transforms[0][0]])} is tied through a function to "
                                  f"{show(lay.paths[p.canonical])}, outside {show(path)}")
             continue
-        params.append(Param(members[0], members, p.shape, p.dtype, p.rule, transforms))
-        leaves.append(state.leaves[u])
+        params.append(Param(members[0], members, p.shape, p.dtype, p.rule, transforms, p.place))
+        leaves.append(state.param_state(u))
         frozen.append(lay.frozen[u])
-    return State(Layout(sub_treedef, tuple(params), tuple(frozen)), state.rules, tuple(leaves), state.step)
+    return State.of_params(Layout(sub_treedef, tuple(params), tuple(frozen)), state.rules, leaves, state.step)
 
 
 def graft(state: State, path: str, sub: State) -> State:
@@ -98,17 +100,17 @@ def graft(state: State, path: str, sub: State) -> State:
     Array([0.1, 0.1], dtype=float32)
     """
     lay = state.layout
-    new = list(state.leaves)
+    new = {}
     for rel, leaf in sub.items():
         full = f"{path}.{rel}" if path and rel else (path or rel)
         u = lay.param(full)
-        old = new[u]
+        old = state.param_state(u)
         if jax.tree.structure(old) != jax.tree.structure(leaf.state) or any(
                 np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(leaf.state))):
             raise ValueError(f"graft: the state for {show(full)} does not have the shape of the existing one "
                              "(another rule or parameter shape?)")
         new[u] = leaf.state
-    return State(lay, state.rules, tuple(new), state.step)
+    return state.with_param_states(new)
 
 
 def retie(state: State, model: PyTree) -> PyTree:

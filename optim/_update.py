@@ -43,7 +43,10 @@ class Program:
     # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
     grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
     out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
-    state_src: tuple[int, ...]            # per parameter: index into new_states + old states
+    step_groups: tuple[int, ...]          # stacking groups with at least one stepping parameter
+    # per such group: (rows of its stack that step, their indices into `graded`, into `stepping`)
+    group_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+    stack_src: tuple[int, ...]            # per group: index into new_stacks + old stacks
 
 
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
@@ -67,11 +70,11 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     prog, leaves, treedef, flat = _plan(state, model, (grads, *more_grads), "update")
     gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
     run = _core_donated if donate else _core_jit
-    new_states, new_params, step, summed = run(
-        prog, return_grads, state.rules, _take(state.leaves, prog.stepping),
+    new_stacks, new_params, step, summed = run(
+        prog, return_grads, state.rules, _take(state.stacks, prog.step_groups),
         _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
     new_leaves = _take(new_params + tuple(leaves), prog.out_src)
-    new_state = State(state.layout, state.rules, _take(new_states + state.leaves, prog.state_src), step)
+    new_state = State(state.layout, state.rules, _take(new_stacks + state.stacks, prog.stack_src), step)
     if return_grads:
         return new_state, treedef.unflatten(new_leaves), _grad_tree(prog, summed, treedef)
     return new_state, treedef.unflatten(new_leaves)
@@ -201,10 +204,20 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
     stepping = tuple(graded[a] for a in active)
     n_new = len(stepping) + sum(len(lay.params[u].transforms) for u in stepping)
     out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
-    state_src = [len(stepping) + u for u in range(len(lay.params))]
+    graded_at = {u: a for a, u in enumerate(graded)}
+    stepping_at = {u: a for a, u in enumerate(stepping)}
+    step_groups, plan = [], []
+    for g, members in enumerate(lay.groups):
+        rows = tuple(k for k, u in enumerate(members) if u in stepping_at)
+        if rows:
+            step_groups.append(g)
+            plan.append((rows, tuple(graded_at[members[k]] for k in rows),
+                         tuple(stepping_at[members[k]] for k in rows)))
+    stack_src = [len(step_groups) + g for g in range(len(lay.groups))]
+    for j, g in enumerate(step_groups):
+        stack_src[g] = j
     extra = len(stepping)
     for a, u in enumerate(stepping):
-        state_src[u] = a
         for i in lay.params[u].members:
             out_src[i] = a
         for t in lay.params[u].transforms:
@@ -213,7 +226,8 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
     canon = {lay.params[u].canonical for u in graded}
     check = tuple(i for p in lay.params for i in p.members + tuple(t[0] for t in p.transforms) if i not in canon)
     return Program(lay, graded, active, stepping, tuple(lay.params[u].canonical for u in graded), check,
-                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(state_src))
+                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_groups), tuple(plan),
+                   tuple(stack_src))
 
 
 def _check_param(x: Any, lay: Layout, i: int) -> None:
@@ -269,7 +283,7 @@ def _same_dtypes(new: Any, old: Any) -> Any:
                         new, old)
 
 
-def _core(prog: Program, want_grads: bool, rules: tuple, states: tuple, params: tuple, checks: tuple,
+def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: tuple, checks: tuple,
           grads: tuple, step: Any):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
@@ -279,22 +293,64 @@ def _core(prog: Program, want_grads: bool, rules: tuple, states: tuple, params: 
     summed = _sums(prog, params, grads)
     rules = resolve(tuple(unwrap(r) for r in rules), step)
     by_rule: dict[int, list[int]] = {}
-    for j, u in enumerate(prog.stepping):
-        by_rule.setdefault(lay.params[u].rule, []).append(j)
-    new_states: list = [None] * len(prog.active)
-    new_params: list = [None] * len(prog.active)
+    for j, g in enumerate(prog.step_groups):
+        by_rule.setdefault(lay.params[lay.groups[g][0]].rule, []).append(j)
+    new_stacks: list = [None] * len(prog.step_groups)
+    new_params: list = [None] * len(prog.stepping)
     for r, js in by_rule.items():
-        xs = [params[prog.active[j]] for j in js]
-        # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
-        dxs = [tuple(jnp.conj(g) if jnp.iscomplexobj(g) else g for g in summed[prog.active[j]]) for j in js]
-        sts, steps = apply_all(rules[r], [states[j] for j in js], xs, dxs)
-        for j, x, st, d in zip(js, xs, sts, steps):
-            new_states[j] = _same_dtypes(st, states[j])
-            new_params[j] = apply_step(x, d)
+        # Each group runs as one stack: its stepping rows of state, parameters and summed gradients.
+        olds, xs, dxs = [], [], []
+        for j in js:
+            rows, gi, _ = prog.group_plan[j]
+            olds.append(_rows(stacks[j], rows, len(lay.groups[prog.step_groups[j]])))
+            xs.append(_stack([params[i] for i in gi]))
+            # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
+            dxs.append(tuple(_stack([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
+        sts, steps = apply_all(rules[r], olds, xs, dxs)
+        for j, old, st, d in zip(js, olds, sts, steps):
+            rows, gi, ai = prog.group_plan[j]
+            new_stacks[j] = _set_rows(stacks[j], rows, _same_dtypes(st, old), len(lay.groups[prog.step_groups[j]]))
+            for m, (i, a) in enumerate(zip(gi, ai)):
+                # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
+                # update into one kernel per leaf that writes the new parameter directly.
+                new_params[a] = apply_step(params[i], jax.tree.map(lambda s, m=m: _row(s, m), d))
     copies = [t[1](new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
-    return tuple(new_states), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out
+    return tuple(new_stacks), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out
+
+
+def _conj(g: jax.Array) -> jax.Array:
+    return jnp.conj(g) if jnp.iscomplexobj(g) else g
+
+
+def _stack(xs: list) -> jax.Array:
+    return jnp.expand_dims(xs[0], 0) if len(xs) == 1 else jnp.stack(xs)
+
+
+def _row(a: jax.Array, m: int) -> jax.Array:
+    """Member `m`'s row of a stacked step; a 0-d entry (a gate shared by the whole group, as `SkipNonFinite`
+    returns) applies to every member."""
+    return a if jnp.ndim(a) == 0 else a[m]
+
+
+def _rows(tree: Any, rows: tuple[int, ...], n: int) -> Any:
+    """The given rows of every array of a stacked state (all of it when every row steps)."""
+    if len(rows) == n:
+        return tree
+    if rows == tuple(range(rows[0], rows[-1] + 1)):
+        return jax.tree.map(lambda a: a[rows[0]:rows[-1] + 1], tree)
+    idx = jnp.asarray(rows, jnp.int32)
+    return jax.tree.map(lambda a: a[idx], tree)
+
+
+def _set_rows(tree: Any, rows: tuple[int, ...], new: Any, n: int) -> Any:
+    if len(rows) == n:
+        return new
+    if rows == tuple(range(rows[0], rows[-1] + 1)):
+        return jax.tree.map(lambda a, b: jnp.asarray(a).at[rows[0]:rows[-1] + 1].set(b), tree, new)
+    idx = jnp.asarray(rows, jnp.int32)
+    return jax.tree.map(lambda a, b: jnp.asarray(a).at[idx].set(b), tree, new)
 
 
 def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:

@@ -296,7 +296,7 @@ def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path):
     path = tmp_path / "a.npz"
     save(path, state, model)
     first = path.read_bytes()
-    broken = optim.State(state.layout, state.rules, state.leaves, object())     # a step that cannot be stored
+    broken = optim.State(state.layout, state.rules, state.stacks, object())     # a step that cannot be stored
     with pytest.raises(TypeError, match="the step counter is a object, which a checkpoint cannot hold"):
         save(path, broken, model)
     assert path.read_bytes() == first

@@ -294,8 +294,10 @@ def test_inject_hyperparams_keeps_values_in_each_parameters_state():
     state = optim.setup(from_optax(optax.inject_hyperparams(optax.adam)(learning_rate=0.1)), m)
     assert float(state["head"].state.hyperparams["learning_rate"]) == pytest.approx(0.1)
     # Changing them means rewriting every parameter's state (the factory form is the easy way):
-    leaves = tuple(s._replace(hyperparams={**s.hyperparams, "learning_rate": np.float32(0.01)}) for s in state.leaves)
-    state = optim.State(state.layout, state.rules, leaves, state.step)
+    # (states are stacked per group of parameters: one learning rate per member)
+    stacks = tuple(s._replace(hyperparams={**s.hyperparams, "learning_rate": np.full_like(
+        s.hyperparams["learning_rate"], 0.01)}) for s in state.stacks)
+    state = optim.State(state.layout, state.rules, stacks, state.step)
     _, m1 = optim.update(state, m, jax.grad(loss, allow_int=True)(m))
     close(m1["emb"], run_reference(optax.adam(0.01), steps=1)["emb"])
 

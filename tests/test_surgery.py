@@ -24,7 +24,8 @@ def test_setup_like_keeps_matching_state_and_starts_new_paths_fresh():
     state, _ = trained(old_model)
     new_model = {"enc": {"w": jnp.ones(3)}, "head": jnp.ones(4), "new": jnp.ones(2)}
     new = optim.setup(optim.Momentum(0.1), new_model, like=state)
-    assert new["enc.w"].state is state["enc.w"].state          # kept
+    close(new["enc.w"].state, state["enc.w"].state)             # kept
+    assert float(new["enc.w"].state[0]) != 0
     close(new["head"].state, np.zeros(4))                      # shape changed: fresh
     close(new["new"].state, np.zeros(2))                       # new path: fresh
     assert "gone" not in new
@@ -36,7 +37,8 @@ def test_setup_like_recomputes_ties():
     w = jnp.ones(2)
     state, _ = trained({"a": w, "b": jnp.ones(2)})
     new = optim.setup(optim.Momentum(0.1), {"a": w, "b": w}, like=state)
-    assert new.ties() == {"a": ("b",)} and new["b"].state is state["a"].state
+    assert new.ties() == {"a": ("b",)}
+    close(new["b"].state, state["a"].state)
 
 
 def test_subtree_and_graft_round_trip():
@@ -44,7 +46,8 @@ def test_subtree_and_graft_round_trip():
     model = {"enc": {"a": w, "b": jnp.ones(3)}, "head": w}
     state, model = trained(model)
     sub = optim.subtree(state, "enc")
-    assert sub.paths() == ["a", "b"] and sub["a"].state is state["head"].state
+    assert sub.paths() == ["a", "b"]
+    close(sub["a"].state, state["head"].state)
     sub_model = model["enc"]
     sub2, sub_model2 = optim.update(sub, sub_model, jax.tree.map(jnp.ones_like, sub_model))
     full = optim.graft(state, "enc", sub2)
@@ -62,7 +65,8 @@ def test_reset_zeroes_momenta():
     r = optim.reset(state, "a")
     close(r["a"].state[0], [0, 0])
     close(r["a"].state[2], [0.9, 0.999])
-    assert r["b"].state is state["b"].state
+    jax.tree.map(np.testing.assert_array_equal, r["b"].state, state["b"].state)
+    assert float(r["b"].state[0][0]) != 0
     mp, m = trained({"a": jnp.ones(2, jnp.float16)}, optim.MixedPrecision(jnp.float32, optim.Adam(0.1)))
     with pytest.raises(ValueError, match="pass model="):
         optim.reset(mp)
