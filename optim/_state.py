@@ -376,7 +376,8 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     leaves, treedef = jax.tree_util.tree_flatten(model)
     paths = _LazyPaths(treedef)
     trainable = [is_trainable(x) for x in leaves]
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if traced:
         warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
                       "which jit does not preserve. Call setup outside jit.", stacklevel=2)
     plain = {k: v for k, v in (ties or {}).items() if isinstance(v, str)}
@@ -394,7 +395,8 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     rules = tuple(_canonical_hyper(r) for r in rules)
     cache: dict = {}
     stacks = tuple(init_group(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
-                              lambda g=g: paths[params[g[0]].canonical], cache) for g in layout.groups)
+                              lambda g=g: paths[params[g[0]].canonical], cache,
+                              local=not traced and params[g[0]].place is None) for g in layout.groups)
     state = State(layout, rules, stacks, jnp.zeros((), jnp.int32))
     if like is not None:
         state = _keep_matching(like, state)
@@ -494,7 +496,8 @@ def leaf_paths(treedef) -> list[str]:
     return paths
 
 
-def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None) -> Any:
+def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,
+               local: bool | None = None) -> Any:
     """The stacked initial state of one group: `rule.init` of each of `xs`, stacked on a new leading axis.
 
     An init that does not read the parameter's values (zeros, constants: every built-in rule but
@@ -502,10 +505,11 @@ def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
     broadcast of it, which the first `update` moves to the device inside jit's argument handling. Creating
     device arrays costs ~60 us of Python each; this keeps `setup` at about a microsecond per parameter.
     Parameters that are not numpy or single-device arrays (sharded, traced) get a jitted, vmapped init that
-    creates the state where the parameters live.
+    creates the state where the parameters live. `local` says whether all of `xs` are host or default-device
+    arrays, when the caller knows (it costs a few microseconds per array to find out).
     """
     try:
-        if all(_local(x) for x in xs):
+        if local if local is not None else all(_local(x) for x in xs):
             proto = _host_init(rule, tuple(xs[0].shape), jnp.dtype(xs[0].dtype), cache)
             if proto is not None:
                 return stack_states([proto] * len(xs))
@@ -537,6 +541,8 @@ def stack_states(states: list) -> Any:
     """Stack per-parameter states (one structure) on a new leading axis. Host arrays stay on the host; the
     same host array repeated (a shared initial state) becomes a read-only broadcast, which costs nothing."""
     leaves0, treedef = jax.tree_util.tree_flatten(states[0])
+    if all(isinstance(a, np.ndarray) for a in leaves0) and all(s is states[0] for s in states):
+        return treedef.unflatten([np.broadcast_to(a, (len(states),) + a.shape) for a in leaves0])
     columns = zip(*[jax.tree_util.tree_flatten(s)[0] for s in states]) if len(states) > 1 else [[a] for a in leaves0]
     out = []
     for col in columns:
@@ -588,9 +594,17 @@ def _local(x: Any) -> bool:
     if isinstance(x, np.ndarray):
         return True
     sharding = getattr(x, "sharding", None)
+    if sharding is _LAST_LOCAL[0]:          # arrays made alike share their sharding object: skip the comparison
+        return True
     if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or isinstance(x, jax.core.Tracer):
         return False
-    return sharding == _default_sharding()
+    if sharding == _default_sharding():
+        _LAST_LOCAL[0] = sharding
+        return True
+    return False
+
+
+_LAST_LOCAL: list = [None]
 
 
 def _placement(x: Any) -> Any:
