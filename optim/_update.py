@@ -1,9 +1,12 @@
 """`update`: one jitted computation over the deduplicated parameters of a model.
 
 Reading order: `update` (what runs per call) -> `_program` (the static plan, built once per structure) ->
-`_core` (the traced computation). Per call, `update` flattens the model and each gradient tree (C++), looks the
-plan up by treedefs, gathers the arrays it needs with `operator.itemgetter` (C speed, no per-leaf Python), calls
-the jitted `_core`, and puts the results back the same way. Everything shape- or dtype-dependent is checked
+`_core` (the traced computation). Inside `_core`, each stacking group of parameters (`Layout.groups`: same
+rule, shape, dtype, placement) runs its rule once, vmapped over the group's stacked state, so the program has
+a handful of kernels per group plus one small kernel per parameter that writes its new value. Per call,
+`update` flattens the model and each gradient tree (C++), looks the plan up by treedefs, gathers the arrays it
+needs with `operator.itemgetter` (C speed, no per-leaf Python), calls the jitted `_core`, and puts the results
+back the same way. Everything shape- or dtype-dependent is checked
 while `_core` traces, which happens exactly when `jit`'s cache misses, so a valid call pays for no checks and an
 invalid one fails before anything runs.
 """
@@ -309,7 +312,8 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
         sts, steps = apply_all(rules[r], olds, xs, dxs)
         for j, old, st, d in zip(js, olds, sts, steps):
             rows, gi, ai = prog.group_plan[j]
-            new_stacks[j] = _set_rows(stacks[j], rows, _same_dtypes(st, old), len(lay.groups[prog.step_groups[j]]))
+            n = len(lay.groups[prog.step_groups[j]])
+            new_stacks[j] = _set_rows(stacks[j], rows, _same_dtypes(st, old), n)
             for m, (i, a) in enumerate(zip(gi, ai)):
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
                 # update into one kernel per leaf that writes the new parameter directly.

@@ -133,7 +133,8 @@ def test_muon_stacked_equals_per_leaf():
 def test_groups_follow_rule_shape_dtype_and_size(monkeypatch):
     monkeypatch.setattr(optim_state, "STACK_MAX_MEMBERS", 2)
     m = {"a": jnp.ones(3), "b": jnp.ones(3), "c": jnp.ones(3), "d": jnp.ones(3, jnp.bfloat16),
-         "e": jnp.ones(4), "big": jnp.ones(optim_state.STACK_MAX_SIZE + 1), "big2": jnp.ones(optim_state.STACK_MAX_SIZE + 1)}
+         "e": jnp.ones(4)}
+    m["big"], m["big2"] = jnp.ones(optim_state.STACK_MAX_SIZE + 1), jnp.ones(optim_state.STACK_MAX_SIZE + 1)
     state = optim.setup(lambda path, x: optim.Adam() if path != "e" else optim.Momentum(), m)
     groups = [[state.layout.paths[state.layout.params[u].canonical] for u in g] for g in state.layout.groups]
     assert groups == [["a", "b"], ["big"], ["big2"], ["c"], ["d"], ["e"]]
