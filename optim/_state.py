@@ -89,7 +89,9 @@ class Layout:
         object.__setattr__(self, "param_of", tuple(param_of))
         # The stacking groups: tuples of parameter indices whose states are stored stacked, in this order.
         object.__setattr__(self, "groups", stacking_groups(self.params))
-        object.__setattr__(self, "_hash", hash((self.treedef, self.params, self.frozen, self.groups)))
+        # Hashing 10000 Params costs ~10 ms; equal layouts already agree on everything below, and `__eq__`
+        # compares the params themselves.
+        object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.groups)))
 
     @functools.cached_property
     def slot(self) -> tuple[tuple[int, int], ...]:
@@ -387,7 +389,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
         warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
                       stacklevel=2)
     rules, rule_of = _choose_rules(rule, groups, paths, leaves)
-    params = tuple(Param(c, members, tuple(leaves[c].shape), jnp.dtype(leaves[c].dtype), rule_of[c],
+    params = tuple(Param(c, members, tuple(leaves[c].shape), _dtype(leaves[c].dtype), rule_of[c],
                          transforms.get(c, ()), _placement(leaves[c])) for c, members in groups.items())
     layout = Layout(treedef, params, (False,) * len(params))
     if paths.computed is not None:
@@ -513,7 +515,7 @@ def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
             proto = _host_init(rule, tuple(xs[0].shape), jnp.dtype(xs[0].dtype), cache)
             if proto is not None:
                 return stack_states([proto] * len(xs))
-        return _placed_init(rule, xs)(_stack_arrays(xs))
+        return _placed_init(rule, xs)
     except (TypeError, ValueError) as e:
         raise type(e)(f"setup: at {show(where())}: {e}") from e
 
@@ -563,12 +565,13 @@ def _stack_arrays(xs: list) -> jax.Array:
     return jnp.stack([jnp.asarray(x) for x in xs])
 
 
-def _placed_init(rule: Any, xs: list) -> Callable:
-    """The vmapped `rule.init` for a group placed like `xs[0]`, creating every state array where it will be
-    used: arrays with the stacked parameters' shape get their sharding (FSDP / ZeRO: each device holds the
-    state of its own shard), the rest (Adam's beta powers) are replicated over the same devices. Jitted, so a
-    sharded parameter's state is never materialised whole on one device. An init that cannot be traced (it
-    reads concrete values) runs per parameter, eagerly."""
+def _placed_init(rule: Any, xs: list) -> Any:
+    """The stacked state of a group placed like `xs[0]` from the vmapped `rule.init`, creating every state
+    array where it will be used: arrays with the stacked parameters' shape get their sharding (FSDP / ZeRO:
+    each device holds the state of its own shard), the rest (Adam's beta powers) are replicated over the same
+    devices. Jitted, so a sharded parameter's state is never materialised whole on one device, and the
+    parameters are stacked only for an init that reads them. An init that cannot be traced (it reads concrete
+    values) runs per parameter, eagerly."""
     batched = jax.vmap(rule.init)
     x = xs[0]
     sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
@@ -579,14 +582,17 @@ def _placed_init(rule: Any, xs: list) -> Callable:
     elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
         stacked = rep = sharding
     else:
-        return batched
+        return batched(_stack_arrays(xs))
     shape = (len(xs),) + tuple(x.shape)
+    abstract = jax.ShapeDtypeStruct(shape, x.dtype)
     try:
-        shapes = jax.eval_shape(batched, jax.ShapeDtypeStruct(shape, x.dtype))
+        shapes = jax.eval_shape(batched, abstract)
     except Exception:   # e.g. converts x to numpy: not traceable
-        return lambda stack: stack_states([rule.init(a) for a in xs])
+        return stack_states([rule.init(a) for a in xs])
     place = jax.tree.map(lambda s: stacked if s.shape == shape else rep, shapes)
-    return jax.jit(batched, out_shardings=place)
+    if _reads_nothing(batched, abstract):
+        return jax.jit(lambda: batched(jnp.zeros(shape, x.dtype)), out_shardings=place)()
+    return jax.jit(batched, out_shardings=place)(_stack_arrays(xs))
 
 
 def _local(x: Any) -> bool:
@@ -605,6 +611,10 @@ def _local(x: Any) -> bool:
 
 
 _LAST_LOCAL: list = [None]
+
+
+def _dtype(d: Any) -> np.dtype:
+    return d if isinstance(d, np.dtype) else jnp.dtype(d)
 
 
 def _placement(x: Any) -> Any:
