@@ -593,7 +593,9 @@ def _one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
         return jax.tree.map(lambda a: jnp.expand_dims(a, 0), t)
 
     states, steps = rule.apply_tree([lead(state)], [lead(x)], [lead(tuple(dxs))])
-    return jax.tree.map(lambda a: a[0], (states[0], steps[0]))
+    # A 0-d entry of a step is shared by the whole stack (SkipNonFinite's gate): it has no row to take.
+    return (jax.tree.map(lambda a: a[0], states[0]),
+            jax.tree.map(lambda a: a if jnp.ndim(a) == 0 else a[0], steps[0]))
 
 
 def _gate(new: Any, old: Any, ok: Any) -> Any:

@@ -165,3 +165,14 @@ def test_setup_of_many_small_leaves_stores_few_arrays():
     # each group's fresh state is one read-only host buffer, no copy per member
     mu = state.stacks[0][0]
     assert isinstance(mu, np.ndarray) and mu.strides[0] == 0 and not mu.flags.writeable
+
+
+def test_whole_model_rule_applied_to_one_leaf_directly():
+    """`apply` of a rule built on `apply_tree` runs it on a stack of one; SkipNonFinite's gate is shared (0-d)."""
+    rule = optim.SkipNonFinite(optim.Adam(0.1))
+    x = jnp.ones(3)
+    state, step = rule.apply(rule.init(x), x, jnp.array([1.0, jnp.nan, 1.0]))
+    np.testing.assert_array_equal(np.asarray(apply_step(x, step)), [1, 1, 1])
+    assert int(state[1]) == 1
+    _, step = rule.apply(rule.init(x), x, jnp.ones(3))
+    np.testing.assert_allclose(np.asarray(apply_step(x, step)), [0.9] * 3, rtol=1e-6)
