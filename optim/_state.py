@@ -561,11 +561,12 @@ def stack_states(states: list) -> Any:
             else:
                 out.append(np.stack(col))
         else:
-            out.append(_stack_arrays(col))
+            out.append(stack_arrays(col))
     return treedef.unflatten(out)
 
 
-def _stack_arrays(xs: list) -> jax.Array:
+def stack_arrays(xs: list) -> jax.Array:
+    """Arrays stacked on a new leading axis (a stack of one is a free reshape)."""
     if len(xs) == 1:
         return jnp.expand_dims(jnp.asarray(xs[0]), 0)
     return jnp.stack([jnp.asarray(x) for x in xs])
@@ -588,7 +589,7 @@ def _placed_init(rule: Any, xs: list) -> Any:
     elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
         stacked = rep = sharding
     else:
-        return batched(_stack_arrays(xs))
+        return batched(stack_arrays(xs))
     shape = (len(xs),) + tuple(x.shape)
     abstract = jax.ShapeDtypeStruct(shape, x.dtype)
     try:
@@ -598,7 +599,7 @@ def _placed_init(rule: Any, xs: list) -> Any:
     place = jax.tree.map(lambda s: stacked if s.shape == shape else rep, shapes)
     if _reads_nothing(batched, abstract):
         return jax.jit(lambda: batched(jnp.zeros(shape, x.dtype)), out_shardings=place)()
-    return jax.jit(batched, out_shardings=place)(_stack_arrays(xs))
+    return jax.jit(batched, out_shardings=place)(stack_arrays(xs))
 
 
 def _local(x: Any) -> bool:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from ._rules import _joint_norm, apply_all, apply_step
 from ._schedules import resolve
-from ._state import Layout, State, unwrap
+from ._state import Layout, State, stack_arrays, unwrap
 from ._tree import PyTree, describe, dotted, prefixes, show, structure_diff
 
 
@@ -306,9 +306,9 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
         for j in js:
             rows, gi, _ = prog.group_plan[j]
             olds.append(_rows(stacks[j], rows, len(lay.groups[prog.step_groups[j]])))
-            xs.append(_stack([params[i] for i in gi]))
+            xs.append(stack_arrays([params[i] for i in gi]))
             # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
-            dxs.append(tuple(_stack([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
+            dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
         sts, steps = apply_all(rules[r], olds, xs, dxs)
         for j, old, st, d in zip(js, olds, sts, steps):
             rows, gi, ai = prog.group_plan[j]
@@ -326,10 +326,6 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
 
 def _conj(g: jax.Array) -> jax.Array:
     return jnp.conj(g) if jnp.iscomplexobj(g) else g
-
-
-def _stack(xs: list) -> jax.Array:
-    return jnp.expand_dims(xs[0], 0) if len(xs) == 1 else jnp.stack(xs)
 
 
 def _row(a: jax.Array, m: int) -> jax.Array:
