@@ -593,9 +593,13 @@ def _one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
         return jax.tree.map(lambda a: jnp.expand_dims(a, 0), t)
 
     states, steps = rule.apply_tree([lead(state)], [lead(x)], [lead(tuple(dxs))])
-    # A 0-d entry of a step is shared by the whole stack (SkipNonFinite's gate): it has no row to take.
-    return (jax.tree.map(lambda a: a[0], states[0]),
-            jax.tree.map(lambda a: a if jnp.ndim(a) == 0 else a[0], steps[0]))
+    return jax.tree.map(lambda a: a[0], states[0]), step_row(steps[0], 0)
+
+
+def step_row(step: Any, m: int) -> Any:
+    """Member `m`'s part of a stacked step (plain, `Gated` or `Replace`). A 0-d entry (a gate shared by the
+    whole stack, as `SkipNonFinite` returns) has no row to take and applies to every member."""
+    return jax.tree.map(lambda a: a if jnp.ndim(a) == 0 else a[m], step)
 
 
 def _gate(new: Any, old: Any, ok: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rules import _joint_norm, apply_all, apply_step
+from ._rules import _joint_norm, apply_all, apply_step, step_row
 from ._schedules import resolve
 from ._state import Layout, State, stack_arrays, unwrap
 from ._tree import PyTree, describe, dotted, prefixes, show, structure_diff
@@ -317,7 +317,7 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
             for m, (i, a) in enumerate(zip(gi, ai)):
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
                 # update into one kernel per leaf that writes the new parameter directly.
-                new_params[a] = apply_step(params[i], jax.tree.map(lambda s, m=m: _row(s, m), d))
+                new_params[a] = apply_step(params[i], step_row(d, m))
     copies = [t[1](new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
@@ -328,29 +328,26 @@ def _conj(g: jax.Array) -> jax.Array:
     return jnp.conj(g) if jnp.iscomplexobj(g) else g
 
 
-def _row(a: jax.Array, m: int) -> jax.Array:
-    """Member `m`'s row of a stacked step; a 0-d entry (a gate shared by the whole group, as `SkipNonFinite`
-    returns) applies to every member."""
-    return a if jnp.ndim(a) == 0 else a[m]
+def _row_index(rows: tuple[int, ...]) -> Any:
+    """An index for the given rows of a stack: a slice when they are contiguous (no gather), else an array."""
+    if rows == tuple(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return jnp.asarray(rows, jnp.int32)
 
 
 def _rows(tree: Any, rows: tuple[int, ...], n: int) -> Any:
     """The given rows of every array of a stacked state (all of it when every row steps)."""
     if len(rows) == n:
         return tree
-    if rows == tuple(range(rows[0], rows[-1] + 1)):
-        return jax.tree.map(lambda a: a[rows[0]:rows[-1] + 1], tree)
-    idx = jnp.asarray(rows, jnp.int32)
-    return jax.tree.map(lambda a: a[idx], tree)
+    ix = _row_index(rows)
+    return jax.tree.map(lambda a: a[ix], tree)
 
 
 def _set_rows(tree: Any, rows: tuple[int, ...], new: Any, n: int) -> Any:
     if len(rows) == n:
         return new
-    if rows == tuple(range(rows[0], rows[-1] + 1)):
-        return jax.tree.map(lambda a, b: jnp.asarray(a).at[rows[0]:rows[-1] + 1].set(b), tree, new)
-    idx = jnp.asarray(rows, jnp.int32)
-    return jax.tree.map(lambda a, b: jnp.asarray(a).at[idx].set(b), tree, new)
+    ix = _row_index(rows)
+    return jax.tree.map(lambda a, b: jnp.asarray(a).at[ix].set(b), tree, new)
 
 
 def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
