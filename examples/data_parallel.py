@@ -92,8 +92,9 @@ def main(args):
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {n}")
     data, vocab = make_batches(args.data, args.batch, args.steps)
     params = init_params(jax.random.key(0), vocab)
-    rule = optim.OptimiserChain(optim.ClipGlobalNorm(1.0), optim.AdamW(optim.warmup_cosine(1e-2, 20, args.steps),
-                                                                       weight_decay=1e-4))
+    warmup = max(1, min(20, args.steps // 5))   # warmup_cosine needs decay_steps > warmup_steps
+    schedule = optim.warmup_cosine(1e-2, warmup, max(args.steps, warmup + 1))
+    rule = optim.OptimiserChain(optim.ClipGlobalNorm(1.0), optim.AdamW(schedule, weight_decay=1e-4))
     state = optim.setup(rule, params)
     print(f"{n} devices: {jax.devices()[0].platform} x {n};  ties: {state.ties()}")
 

@@ -13,23 +13,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rules import MixedPrecision, OptimiserChain, Rule
+from ._rules import Rule
 from ._schedules import Schedule
-from ._state import PathError, State, canonical_numbers, with_frozen
+from ._state import PathError, State, canonical_numbers, unwrap, with_frozen
+from ._tree import show
 
 _MISSING = object()
 
 
 def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
-    """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them, chains included.
+    """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them.
 
-    `adjust(state, 1e-4)` sets `lr`; `adjust(state, beta=(0.8, 0.99), weight_decay=0.1)` sets those fields.
-    A keyword that no rule in the state has is a `TypeError` (a typo would otherwise be silently ignored);
-    structural fields such as `RMSProp.centred` cannot be adjusted (run `setup` again).
+    `adjust(state, 1e-4)` sets `lr`; `adjust(state, beta=(0.8, 0.99), weight_decay=0.1)` sets those fields. It
+    reaches every rule inside another: chains, `MixedPrecision`, `SkipNonFinite`, `AccumGrad`, factory-form
+    `from_optax` rules, nested in any order. New values are checked like the constructor's (a negative `lr` is
+    a `ValueError`) and keep the old value's dtype, so a jitted step never recompiles; a value given as an int
+    is a float like any other. A keyword that no rule in the state has is a `TypeError` (a typo would otherwise
+    be silently ignored); structural fields such as `RMSProp.centred` cannot be adjusted (run `setup` again).
+    A field holding a rule (`SkipNonFinite(rule)`) may be swapped only for a rule whose state has the same
+    structure, shapes and dtypes for every parameter.
 
     >>> import optim
     >>> optim.adjust(optim.OptimiserChain(optim.ClipGrad(2.0), optim.Adam(0.1)), 0.2)
     OptimiserChain(ClipGrad(delta=2), Adam(lr=0.2, beta=(0.9, 0.999), eps=1e-08))
+    >>> optim.adjust(optim.Descent(1), lr=0.5)
+    Descent(lr=0.5)
     """
     if lr is not _MISSING:
         hyper = {"lr": lr, **hyper}
@@ -45,19 +53,37 @@ def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
         have = sorted(_fields(state.rules if isinstance(state, State) else (state,)))
         raise TypeError(f"adjust: no rule here has {', '.join(unknown)}; adjustable: {', '.join(have) or 'none'}")
     if isinstance(state, State):
-        return State(state.layout, rules, state.stacks, state.step)
+        if any(_is_rule(v) or (isinstance(v, tuple) and any(map(_is_rule, v))) for v in hyper.values()):
+            _check_same_states(state, rules)
+        # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap).
+        return State(state.layout, tuple(canonical_numbers(r) for r in rules), state.stacks, state.step)
     return rules[0]
+
+
+def _is_rule(v: Any) -> bool:
+    return callable(getattr(v, "init", None)) and callable(getattr(v, "apply", None))
+
+
+def _inner(rule: Any) -> list[str]:
+    """The fields of `rule` that hold rules (`SkipNonFinite.rule`, `OptimiserChain.rules`): adjust goes inside."""
+    if not dataclasses.is_dataclass(rule):
+        return []
+    out = []
+    for f in dataclasses.fields(rule):
+        v = getattr(rule, f.name)
+        if _is_rule(v) or (isinstance(v, tuple) and v and all(map(_is_rule, v))):
+            out.append(f.name)
+    return out
 
 
 def _fields(rules) -> set[str]:
     out = set()
     for r in rules:
-        if isinstance(r, OptimiserChain):
-            out |= _fields(r.rules)
-        elif isinstance(r, MixedPrecision):
-            out |= _fields((r.rule,))
-        elif dataclasses.is_dataclass(r):
+        if dataclasses.is_dataclass(r):
             out |= {f.name for f in dataclasses.fields(r) if f.name not in getattr(r, "_static", ())}
+            for name in _inner(r):
+                v = getattr(r, name)
+                out |= _fields(v if isinstance(v, tuple) else (v,))
     return out
 
 
@@ -72,16 +98,12 @@ def _convert(new: Any, old: Any) -> Any:
         if not isinstance(new, (tuple, list)) or len(new) != len(old):
             raise ValueError(f"adjust: expected a tuple of {len(old)} values, got {new!r}")
         return tuple(_convert(n, o) for n, o in zip(new, old))
-    if isinstance(old, jax.Array):
+    if isinstance(old, jax.Array) and not _is_rule(new):
         return jnp.asarray(new, dtype=old.dtype).reshape(old.shape)
     return new
 
 
 def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
-    if isinstance(rule, OptimiserChain):
-        return OptimiserChain(*(_adjust_rule(r, hyper, used) for r in rule.rules))
-    if isinstance(rule, MixedPrecision):
-        return MixedPrecision(rule.dtype, _adjust_rule(rule.rule, hyper, used))
     if not dataclasses.is_dataclass(rule):
         return rule
     names = {f.name for f in dataclasses.fields(rule)}
@@ -93,22 +115,38 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
             raise ValueError(f"adjust: {type(rule).__name__}.{k} is structural (it changes the state's shape "
                              "or the program); call optim.setup again with the new rule")
         used.add(k)
+        if isinstance(rule, Rule) and k not in _inner(rule):
+            old = getattr(rule, k)
+            if isinstance(old, tuple) and not isinstance(v, (tuple, list)):
+                raise ValueError(f"adjust: {type(rule).__name__}.{k} is a tuple of {len(old)} values, got {v!r}")
+            v = type(rule)._checked(k, v)      # the constructor's checks, and ints made floating
         changes[k] = v
+    for k in _inner(rule):   # inside wrapped rules, unless the wrapped rule itself is being replaced
+        if k not in changes:
+            v = getattr(rule, k)
+            new = tuple(_adjust_rule(r, hyper, used) for r in v) if isinstance(v, tuple) else _adjust_rule(v, hyper, used)
+            if new is not v and (not isinstance(v, tuple) or any(a is not b for a, b in zip(new, v))):
+                changes[k] = new
     if not changes:
         return rule
-    if isinstance(rule, Rule):
-        type(rule).__post_init__(_Probe(rule, changes))   # validate the plain values (e.g. lr >= 0)
     return _swap(rule, changes)
 
 
-class _Probe:
-    """Attribute view of a rule with some fields replaced, for running its validation on new values."""
-
-    def __init__(self, rule, changes):
-        self._rule, self._changes = rule, changes
-
-    def __getattr__(self, name):
-        return self._changes[name] if name in self._changes else getattr(self._rule, name)
+def _check_same_states(state: State, rules: tuple) -> None:
+    """A swapped-in rule must have the same state (structure, shapes, dtypes) as the one it replaces."""
+    for u, p in enumerate(state.layout.params):
+        old, new = unwrap(state.rules[p.rule]), unwrap(rules[p.rule])
+        x = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        try:
+            a, b = jax.eval_shape(old.init, x), jax.eval_shape(new.init, x)
+        except Exception as e:  # noqa: BLE001 (any failure of the new rule's init is the user's to see)
+            raise ValueError(f"adjust: the new rule cannot initialise {show(state.paths()[u])}: {e}") from e
+        shapes = lambda t: [(tuple(s.shape), jnp.dtype(s.dtype)) for s in jax.tree.leaves(t)]  # noqa: E731
+        if jax.tree.structure(a) != jax.tree.structure(b) or shapes(a) != shapes(b):
+            raise ValueError(f"adjust: the new rule keeps a different optimiser state for "
+                             f"{show(state.paths()[u])} than the rule it replaces ({jax.tree.structure(b)} "
+                             f"instead of {jax.tree.structure(a)}); build a fresh state with "
+                             "optim.setup(new_rule, model, like=state) to keep what still fits")
 
 
 def _swap(rule: Any, changes: dict) -> Any:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _hyper
 from ._tree import register_struct, struct_repr
 
 __all__ = [
@@ -72,30 +73,46 @@ def _where(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------- base
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.number)) or (isinstance(v, np.ndarray) and v.ndim == 0)
-
-
 class Rule:
     """Base class of optimisation rules.
 
     Subclasses are frozen dataclasses; `__init_subclass__` registers each as a pytree whose leaves are the
     non-static fields. A user-defined rule needs only `init` and `apply` (and may skip subclassing).
+
+    The class attributes below declare each hyperparameter's range; the constructor checks concrete values
+    (`optim._hyper`) and stores numbers as floats, so `adjust` never truncates one given as an int.
+    A tuple default (`beta=(0.9, 0.999)`) makes the field a pair.
     """
 
     _static: ClassVar[tuple[str, ...]] = ()
-    _nonneg: ClassVar[tuple[str, ...]] = ()   # hyperparameters that must be >= 0, checked when concrete
+    _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
+    _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
+    _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
+    _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         register_struct(cls, cls._static)
 
     def __post_init__(self):
-        for name in self._nonneg:
-            values = getattr(self, name)
-            for v in values if isinstance(values, tuple) else (values,):
-                if _is_number(v) and not float(np.real(v)) >= 0:
-                    raise ValueError(f"{type(self).__name__}: {name} must be >= 0, got {v!r}")
+        for f in dataclasses.fields(self):
+            if f.name not in self._static:
+                object.__setattr__(self, f.name, self._checked(f.name, getattr(self, f.name)))
+
+    @classmethod
+    def _checked(cls, name: str, v: Any) -> Any:
+        """`v` checked and in stored form for the field `name` (used by the constructor and by `adjust`)."""
+        owner = cls.__name__
+        if name in cls._counts:
+            return _hyper.count(owner, name, v)
+        check = ("unit" if name in cls._unit else "closed_unit" if name in cls._decay
+                 else "nonneg" if name in cls._nonneg else None)
+        if check is None:   # a field this class does not declare (a user rule's): only make integers floating
+            return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
+        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+        if isinstance(default, tuple):
+            return _hyper.pair(owner, name, v, check)
+        return _hyper.hyper(owner, name, v, check)
 
     def init(self, x: jax.Array) -> Any:
         """The state for one parameter `x` (`None` for a stateless rule)."""
@@ -164,7 +181,8 @@ class Momentum(Rule):
 
     lr: Any = 0.01
     rho: Any = 0.9
-    _nonneg = ("lr", "rho")
+    _nonneg = ("lr",)
+    _decay = ("rho",)
 
     def init(self, x):
         return jnp.zeros_like(x)
@@ -182,7 +200,8 @@ class Nesterov(Rule):
 
     lr: Any = 0.001
     rho: Any = 0.9
-    _nonneg = ("lr", "rho")
+    _nonneg = ("lr",)
+    _decay = ("rho",)
 
     def init(self, x):
         return jnp.zeros_like(x)
@@ -230,7 +249,8 @@ class RMSProp(Rule):
     eps: Any = 1e-8
     centred: bool = False
     _static = ("centred",)
-    _nonneg = ("lr", "rho", "eps")
+    _nonneg = ("lr", "eps")
+    _decay = ("rho",)
 
     def init(self, x):
         return _zeros_real(x), (jnp.zeros_like(x) if self.centred else None)
@@ -270,7 +290,8 @@ class Adam(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
@@ -292,7 +313,8 @@ class RAdam(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x), jnp.ones((), jnp.int32)
@@ -315,7 +337,8 @@ class AdaMax(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
@@ -335,7 +358,8 @@ class OAdam(Rule):
     lr: Any = 0.001
     beta: Any = (0.5, 0.9)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x), jnp.zeros_like(x)
@@ -373,7 +397,8 @@ class AdaDelta(Rule):
 
     rho: Any = 0.9
     eps: Any = 1e-8
-    _nonneg = ("rho", "eps")
+    _nonneg = ("eps",)
+    _decay = ("rho",)
 
     def init(self, x):
         return _zeros_real(x), _zeros_real(x)
@@ -396,7 +421,8 @@ class AMSGrad(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         e = _hp(self.eps, x)
@@ -419,7 +445,8 @@ class NAdam(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-8
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
@@ -446,7 +473,8 @@ class AdamW(Rule):
     eps: Any = 1e-8
     couple: bool = True
     _static = ("couple",)
-    _nonneg = ("lr", "beta", "weight_decay", "eps")
+    _nonneg = ("lr", "weight_decay", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
@@ -470,7 +498,8 @@ class AdaBelief(Rule):
     lr: Any = 0.001
     beta: Any = (0.9, 0.999)
     eps: Any = 1e-16
-    _nonneg = ("lr", "beta", "eps")
+    _nonneg = ("lr", "eps")
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
@@ -494,7 +523,8 @@ class Lion(Rule):
 
     lr: Any = 1e-4
     beta: Any = (0.9, 0.99)
-    _nonneg = ("lr", "beta")
+    _nonneg = ("lr",)
+    _unit = ("beta",)
 
     def init(self, x):
         return jnp.zeros_like(x)
@@ -568,9 +598,21 @@ class ClipNorm(Rule):
     _static = ("p",)
     _nonneg = ("max_norm",)
 
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.p, (int, float)) or isinstance(self.p, bool) or self.p != self.p:
+            raise TypeError(f"ClipNorm: p must be a number (2, 1, float('inf'), ...), got {self.p!r}")
+
     def apply(self, state, x, dx, *dxs):
-        n = _pnorm(dx, float(self.p))
-        return state, dx * jnp.minimum(_hp(self.max_norm, x) / n, 1)
+        return state, dx * _clip_factor(_hp(self.max_norm, x), _pnorm(dx, float(self.p)))
+
+
+def _clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
+    """`min(max_norm / norm, 1)`, but exactly 1 when the norm is within bounds: a zero gradient with
+    `max_norm = 0` would otherwise give 0 / 0 = NaN. A NaN norm still gives NaN (a NaN step, not a silently
+    unclipped one)."""
+    ok = norm <= max_norm
+    return jnp.where(ok, 1, max_norm / jnp.where(ok, 1, norm)).astype(max_norm.dtype)
 
 
 def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
@@ -672,10 +714,7 @@ class AccumGrad(Rule):
     """
 
     n: Any = 1
-
-    def __post_init__(self):
-        if _is_number(self.n) and (int(self.n) != self.n or self.n < 1):
-            raise ValueError(f"AccumGrad: n must be a positive integer, got {self.n!r}")
+    _counts = ("n",)
 
     def init(self, x):
         return jnp.zeros_like(x), jnp.ones((), jnp.int32)
@@ -756,7 +795,7 @@ class ClipGlobalNorm(Rule):
     def apply_tree(self, states, xs, dxs):
         g = [d[0] for d in dxs]
         norm = _joint_norm(g)
-        return list(states), [d * jnp.minimum(_hp(self.max_norm, d) / norm.astype(_real(d)), 1) for d in g]
+        return list(states), [d * _clip_factor(_hp(self.max_norm, d), norm.astype(_real(d))) for d in g]
 
 
 class SkipNonFinite(Rule):
@@ -816,7 +855,8 @@ class Muon(Rule):
     nesterov: bool = True
     steps: int = 5
     _static = ("nesterov", "steps")
-    _nonneg = ("lr", "rho", "eps")
+    _nonneg = ("lr", "eps")
+    _decay = ("rho",)
 
     def init(self, x):
         if x.ndim != 2:

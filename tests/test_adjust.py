@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import optim
 
@@ -71,3 +73,136 @@ def test_adjust_inside_jit_with_traced_value():
 
     _, out = step(state, m, 0.25)
     np.testing.assert_allclose(out["w"], [0.75, 0.75])
+
+
+# ----------------------------------------------------------------------------------------- hardening
+# A hyperparameter given as an int is a float like any other: adjust never truncates it (eagerly, under jit
+# with a traced value, or in a meta-gradient through it).
+INT_CASES = [
+    ("Descent(1)", lambda: optim.Descent(1), {"lr": 0.5}),
+    ("ClipGrad(2)", lambda: optim.chain(optim.ClipGrad(2), optim.Descent(1.0)), {"delta": 0.5}),
+    ("ClipNorm(1)", lambda: optim.chain(optim.ClipNorm(1), optim.Descent(1.0)), {"max_norm": 0.5}),
+    ("ClipGlobalNorm(1)", lambda: optim.chain(optim.ClipGlobalNorm(1), optim.Descent(1.0)), {"max_norm": 0.5}),
+    ("AdamW(wd=0)", lambda: optim.AdamW(1e-3, weight_decay=0), {"weight_decay": 0.1}),
+    ("int schedule", lambda: optim.Descent(optim.Linear(1, 0, 10)), {"lr": optim.Linear(0.5, 0.25, 10)}),
+]
+
+
+def _float_reference(make, hyper):
+    """The same rule built from the start with the float values."""
+    rule = make()
+    return optim.adjust(jax.tree.map(lambda v: float(v) if isinstance(v, (int, float)) else v, rule), **hyper)
+
+
+@pytest.mark.parametrize("name, make, hyper", INT_CASES, ids=[c[0] for c in INT_CASES])
+def test_adjust_of_int_hyperparameter_gives_the_float_step(name, make, hyper):
+    m = {"w": jnp.array([3.0, -4.0])}
+    g = {"w": jnp.array([2.0, 1.0])}
+    adjusted = optim.adjust(optim.setup(make(), m), **hyper)
+    fresh = optim.setup(_float_reference(make, hyper), m)
+    _, got = optim.update(adjusted, m, g)
+    _, want = optim.update(fresh, m, g)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+    assert not np.allclose(got["w"], optim.update(optim.setup(make(), m), m, g)[1]["w"])  # the adjust mattered
+
+
+def test_adjust_int_hyperparameter_with_traced_value_under_jit():
+    m = {"w": jnp.array([1.0, 1.0])}
+    state = optim.setup(optim.Descent(1), m)
+    step = jax.jit(lambda s, lr: optim.update(optim.adjust(s, lr=lr), m, {"w": jnp.ones(2)})[1])
+    np.testing.assert_allclose(step(state, 0.25)["w"], [0.75, 0.75])
+
+
+def test_meta_gradient_through_int_hyperparameter():
+    m = {"w": jnp.array([1.0, 2.0])}
+    state = optim.setup(optim.Descent(1), m)
+
+    def loss_after_step(lr):
+        _, new = optim.update(optim.adjust(state, lr=lr), m, {"w": jnp.array([1.0, 1.0])})
+        return jnp.sum(new["w"] ** 2)
+
+    # d/dlr sum((w - lr)^2) = -2 sum(w - lr) = -2 * (0.5 + 1.5) at lr = 0.5
+    assert float(jax.grad(loss_after_step)(0.5)) == pytest.approx(-4.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(i=st.integers(0, 5), f=st.floats(0.01, 5.0, allow_nan=False, allow_infinity=False))
+def test_property_adjust_int_to_float(i, f):
+    """For any hyperparameter given as an int, adjust to a float gives the float's step."""
+    m = {"w": jnp.array([1.0, -2.0])}
+    state = optim.adjust(optim.setup(optim.Descent(i), m), lr=f)
+    _, new = optim.update(state, m, {"w": jnp.array([1.0, 1.0])})
+    np.testing.assert_allclose(new["w"], np.array([1.0, -2.0], np.float32) - np.float32(f), rtol=1e-6)
+
+
+@pytest.mark.parametrize("value, err, match", [
+    (jnp.asarray(-1.0), ValueError, "Descent: lr must be >= 0 and finite, got -1.0"),
+    (jnp.nan, ValueError, "lr must be >= 0 and finite, got nan"),
+    (float("inf"), ValueError, "lr must be >= 0 and finite, got inf"),
+    ("0.1", TypeError, "lr must be a real number"),
+    (None, TypeError, "lr must be a real number"),
+])
+def test_adjust_validates_like_the_constructor(value, err, match):
+    state = optim.setup(optim.Descent(0.1), {"w": jnp.ones(2)})
+    with pytest.raises(err, match=match):
+        optim.adjust(state, lr=value)
+
+
+def test_adjust_validates_beta_components():
+    state = optim.setup(optim.Adam(), {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"Adam: beta\[1\] must be in \[0, 1\)"):
+        optim.adjust(state, beta=(0.9, 1.0))
+    with pytest.raises(ValueError, match="tuple of 2 values"):
+        optim.adjust(state, beta=0.9)
+
+
+WRAPPERS = [
+    ("SkipNonFinite", lambda: optim.SkipNonFinite(optim.Descent(1.0))),
+    ("AccumGrad chain", lambda: optim.chain(optim.AccumGrad(1), optim.Descent(1.0))),
+    ("MixedPrecision", lambda: optim.MixedPrecision(jnp.float32, optim.Descent(1.0))),
+    ("Skip(Mixed(chain))", lambda: optim.SkipNonFinite(optim.MixedPrecision(
+        jnp.float32, optim.chain(optim.ClipGrad(10.0), optim.Descent(1.0))))),
+    ("chain(Skip(chain))", lambda: optim.chain(optim.ClipGrad(10.0), optim.SkipNonFinite(
+        optim.chain(optim.AccumGrad(1), optim.Descent(1.0))))),
+    ("from_optax factory", lambda: optim.SkipNonFinite(optim.from_optax(__import__("optax").sgd, lr=1.0))),
+]
+
+
+@pytest.mark.parametrize("name, make", WRAPPERS, ids=[c[0] for c in WRAPPERS])
+def test_adjust_reaches_inside_every_wrapper(name, make):
+    m = {"w": jnp.array([1.0, 1.0])}
+    state = optim.adjust(optim.setup(make(), m), lr=0.25)
+    _, new = optim.update(state, m, {"w": jnp.ones(2)})
+    np.testing.assert_allclose(new["w"], [0.75, 0.75], rtol=1e-6)
+
+
+def test_adjust_count_inside_wrapper():
+    state = optim.setup(optim.SkipNonFinite(optim.chain(optim.AccumGrad(2), optim.Descent(1.0))), {"w": jnp.ones(1)})
+    assert int(optim.adjust(state, n=3).rule.rule.rules[0].n) == 3
+    with pytest.raises(ValueError, match="AccumGrad: n must be an integer >= 1"):
+        optim.adjust(state, n=0)
+
+
+def test_adjust_rule_swap_must_fit_the_state():
+    m = {"w": jnp.ones(2)}
+    state = optim.setup(optim.SkipNonFinite(optim.Descent(0.1)), m)
+    with pytest.raises(ValueError, match="different optimiser state for 'w'.*optim.setup\\(new_rule, model, like=state\\)"):
+        optim.adjust(state, rule=optim.Adam())
+    # A rule with the same state (none) may be swapped in, and then runs.
+    swapped = optim.adjust(state, rule=optim.Descent(0.5))
+    _, new = optim.update(swapped, m, {"w": jnp.ones(2)})
+    np.testing.assert_allclose(new["w"], [0.5, 0.5])
+    chain = optim.setup(optim.chain(optim.ClipGrad(1.0), optim.Momentum()), m)
+    with pytest.raises(ValueError, match="different optimiser state"):
+        optim.adjust(chain, rules=(optim.ClipGrad(1.0), optim.Adam()))
+
+
+def test_freeze_exact_path_means_that_path_only():
+    m = {"w[0]": jnp.ones(1), "w0": jnp.ones(1), "enc": {"a": jnp.ones(1)}, "enc_b": jnp.ones(1)}
+    state = optim.setup(optim.Descent(), m)
+    frozen = optim.freeze(state, "w[0]")
+    assert [p for p, leaf in frozen.items() if leaf.frozen] == ["w[0]"]
+    # A pattern that names no path is a glob (here a character class) or a subtree prefix.
+    assert [p for p, leaf in optim.freeze(state, "w[0-9]").items() if leaf.frozen] == ["w0"]
+    assert [p for p, leaf in optim.freeze(state, "enc").items() if leaf.frozen] == ["enc.a"]
+    assert [p for p, leaf in optim.freeze(state, "enc*").items() if leaf.frozen] == ["enc.a", "enc_b"]

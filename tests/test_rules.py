@@ -1010,3 +1010,88 @@ def test_real_only_rules_reject_complex(make):
     model = {"enc": {"w": jnp.zeros(2, jnp.float32), "z": jnp.zeros(2, jnp.complex64)}}
     with pytest.raises(TypeError, match=r"enc\.z"):
         optim.setup(make(), model)
+
+
+# =============================================================================================== hardening
+# Hyperparameters are floating numbers, checked at construction (optim._hyper), whatever form they come in.
+INT_RULES = [
+    ("Descent(1)", lambda: O.Descent(1), "lr"),
+    ("ClipGrad(2)", lambda: O.ClipGrad(2), "delta"),
+    ("ClipNorm(1)", lambda: O.ClipNorm(1), "max_norm"),
+    ("ClipGlobalNorm(1)", lambda: O.ClipGlobalNorm(1), "max_norm"),
+    ("AdamW(weight_decay=0)", lambda: O.AdamW(1e-3, weight_decay=0), "weight_decay"),
+    ("Momentum(np.int64(1))", lambda: O.Momentum(np.int64(1)), "lr"),
+    ("Descent(jnp.asarray(1))", lambda: O.Descent(jnp.asarray(1)), "lr"),
+]
+
+
+@pytest.mark.parametrize("name, make, field", INT_RULES, ids=[c[0] for c in INT_RULES])
+def test_int_hyperparameters_are_stored_as_floats(name, make, field):
+    v = getattr(make(), field)
+    assert jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating), (name, v)
+    state = optim.setup(make(), {"w": jnp.ones(2)})
+    assert jnp.issubdtype(getattr(state.rule, field).dtype, jnp.floating)
+
+
+BAD_HYPER = [
+    ("lr inf", lambda: O.Adam(float("inf")), ValueError, "Adam: lr must be >= 0 and finite, got inf"),
+    ("lr nan", lambda: O.Descent(float("nan")), ValueError, "Descent: lr must be >= 0 and finite, got nan"),
+    ("lr jax negative", lambda: O.Descent(jnp.asarray(-1.0)), ValueError, "Descent: lr must be >= 0"),
+    ("lr jnp.nan", lambda: O.Adam(jnp.nan), ValueError, "Adam: lr must be >= 0 and finite, got nan"),
+    ("lr str", lambda: O.Adam("0.1"), TypeError, "Adam: lr must be a real number, an array or an optim schedule, got str"),
+    ("lr None", lambda: O.Adam(None), TypeError, "Adam: lr must be a real number.*got NoneType"),
+    ("lr bool", lambda: O.Descent(True), TypeError, "Descent: lr must be a real number"),
+    ("lr complex", lambda: O.Descent(1j), TypeError, "Descent: lr must be a real number"),
+    ("eps inf", lambda: O.RMSProp(eps=float("inf")), ValueError, "RMSProp: eps must be >= 0 and finite"),
+    ("beta2 = 1", lambda: O.Adam(beta=(0.9, 1.0)), ValueError, r"Adam: beta\[1\] must be in \[0, 1\) and finite, got 1.0"),
+    ("beta1 > 1", lambda: O.NAdam(beta=(1.5, 0.9)), ValueError, r"NAdam: beta\[0\] must be in \[0, 1\)"),
+    ("beta negative", lambda: O.Lion(beta=(0.9, -0.1)), ValueError, r"Lion: beta\[1\] must be in \[0, 1\)"),
+    ("beta jax 1", lambda: O.AdaBelief(beta=(0.9, jnp.asarray(1.0))), ValueError, r"AdaBelief: beta\[1\] must be in"),
+    ("beta scalar", lambda: O.Adam(beta=0.9), TypeError, r"Adam: beta must be a pair of numbers such as beta=\(0.9, 0.999\), got float 0.9"),
+    ("beta triple", lambda: O.AdamW(beta=(0.9, 0.99, 0.9)), TypeError, "AdamW: beta must be a pair"),
+    ("rho > 1", lambda: O.Momentum(0.1, 1.5), ValueError, r"Momentum: rho must be in \[0, 1\]"),
+    ("AccumGrad(0)", lambda: O.AccumGrad(0), ValueError, "AccumGrad: n must be an integer >= 1, got 0"),
+    ("AccumGrad(jnp 0)", lambda: O.AccumGrad(jnp.asarray(0)), ValueError, "AccumGrad: n must be an integer >= 1"),
+    ("AccumGrad(2.5)", lambda: O.AccumGrad(2.5), ValueError, "AccumGrad: n must be an integer >= 1, got 2.5"),
+    ("AccumGrad('2')", lambda: O.AccumGrad("2"), TypeError, "AccumGrad: n must be an integer, got str"),
+    ("ClipNorm p", lambda: O.ClipNorm(1.0, p="2"), TypeError, "ClipNorm: p must be a number"),
+    ("Muon rho", lambda: O.Muon(0.02, rho=2.0), ValueError, r"Muon: rho must be in \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("name, make, err, match", BAD_HYPER, ids=[c[0] for c in BAD_HYPER])
+def test_bad_hyperparameters_refused_at_construction(name, make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_list_beta_is_a_pair():
+    assert O.Adam(beta=[0.8, 0.9]).beta == (0.8, 0.9)
+
+
+def test_hyperparameters_of_a_traced_rule_are_not_checked():
+    # Inside jit a rule is rebuilt from tracers; construction there must not try to read them.
+    out = jax.jit(lambda lr: O.Descent(lr).lr * 2)(jnp.float32(0.5))
+    assert float(out) == 1.0
+
+
+@pytest.mark.parametrize("make", [lambda: O.chain(O.ClipGlobalNorm(0.0), O.Descent(1.0)),
+                                  lambda: O.chain(O.ClipNorm(0.0), O.Descent(1.0)),
+                                  lambda: O.chain(O.ClipNorm(0.0, p=1), O.Descent(1.0))],
+                         ids=["ClipGlobalNorm", "ClipNorm", "ClipNorm-p1"])
+def test_clip_to_zero_with_zero_gradient_is_not_nan(make):
+    m = {"a": vec(1.0, 2.0), "b": vec(3.0)}
+    state = optim.setup(make(), m)
+    _, new = optim.update(state, m, {"a": vec(0.0, 0.0), "b": vec(0.0)})
+    np.testing.assert_array_equal(new["a"], [1.0, 2.0])
+    np.testing.assert_array_equal(new["b"], [3.0])
+    # A non-zero gradient with max_norm 0 is clipped to a zero step.
+    _, new = optim.update(state, m, {"a": vec(3.0, 4.0), "b": vec(0.0)})
+    np.testing.assert_array_equal(new["a"], [1.0, 2.0])
+
+
+def test_clip_global_norm_unchanged_within_bound():
+    m = {"a": vec(0.0, 0.0)}
+    state = optim.setup(O.chain(O.ClipGlobalNorm(10.0), O.Descent(1.0)), m)
+    _, new = optim.update(state, m, {"a": vec(3.0, 4.0)})
+    np.testing.assert_array_equal(new["a"], [-3.0, -4.0])

@@ -73,3 +73,55 @@ def test_schedule_validation():
         optim.Piecewise((1, 2), (1.0,))
     with pytest.raises(ValueError, match="one more schedule"):
         optim.Join((optim.Constant(1.0),), (3,))
+
+
+# ----------------------------------------------------------------------------------------- hardening
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: optim.Linear(1.0, 0.0, 0), ValueError, "Linear: steps must be > 0 \\(the schedule divides by it\\)"),
+    (lambda: optim.Cosine(1.0, 0), ValueError, "Cosine: steps must be > 0"),
+    (lambda: optim.Cosine(1.0, -5), ValueError, "Cosine: steps must be > 0"),
+    (lambda: optim.Linear(1.0, 0.0, float("inf")), ValueError, "Linear: steps must be > 0 .* and finite"),
+    (lambda: optim.Linear(1.0, float("nan"), 10), ValueError, "Linear: end must be a number and finite"),
+    (lambda: optim.Constant(float("inf")), ValueError, "Constant: value must be a number and finite"),
+    (lambda: optim.Constant("1e-3"), TypeError, "Constant: value must be a real number"),
+    (lambda: optim.Piecewise((-1,), (1.0, 0.5)), ValueError, r"Piecewise: boundaries\[0\] must be >= 0"),
+    (lambda: optim.Piecewise(3, (1.0, 0.5)), TypeError, "Piecewise: boundaries and values are tuples"),
+    (lambda: optim.Join((optim.Constant(1.0), 0.5), (3,)), TypeError, r"Join: schedules\[1\] is float"),
+    (lambda: optim.warmup_cosine(1.0, 10, 10), ValueError, "warmup_cosine: decay_steps \\(10\\) counts from the start"),
+    (lambda: optim.warmup_cosine(1.0, 10, 5), ValueError, "must be greater than warmup_steps"),
+    (lambda: optim.warmup_cosine(1.0, -1, 5), ValueError, "warmup_cosine: warmup_steps must be >= 0"),
+])
+def test_degenerate_schedules_refused_at_construction(make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_warmup_cosine_without_warmup_matches_optax():
+    ours = optim.warmup_cosine(1.0, 0, 10, final=0.1)
+    ref = optax.warmup_cosine_decay_schedule(0.0, 1.0, 0, 10, 0.1)
+    for t in [0, 1, 5, 10, 11]:
+        assert float(ours(jnp.int32(t))) == pytest.approx(float(ref(t)), rel=1e-6)
+
+
+def test_traced_zero_length_gives_end_value_not_nan():
+    # A length that arrives traced cannot be checked at construction; the formula still never divides by 0.
+    lin = jax.jit(lambda n, t: optim.Linear(1.0, 0.25, n)(t))
+    cos = jax.jit(lambda n, t: optim.Cosine(1.0, n, final=0.25)(t))
+    for f in (lin, cos):
+        assert float(f(jnp.float32(0.0), jnp.int32(0))) == 0.25
+        assert float(f(jnp.float32(0.0), jnp.int32(5))) == 0.25
+
+
+@pytest.mark.parametrize("sched, half", [
+    (optim.Linear(1, 0, 10), optim.Linear(0.5, 0.0, 10)),
+    (optim.Cosine(1, 10), optim.Cosine(0.5, 10)),
+    (optim.Constant(1), optim.Constant(0.5)),
+    (optim.Piecewise((2,), (1, 0)), optim.Piecewise((2,), (0.5, 0.0))),
+    (optim.warmup_cosine(1, 2, 10, init=1), optim.warmup_cosine(0.5, 2, 10, init=0.5)),
+], ids=["Linear", "Cosine", "Constant", "Piecewise", "warmup_cosine"])
+def test_int_schedule_adjusted_to_floats_is_not_truncated(sched, half):
+    assert all(np.isfinite([float(sched(jnp.int32(t))) for t in range(14)]))
+    state = optim.setup(optim.Descent(sched), {"w": jnp.ones(1)})
+    adjusted = optim.adjust(state, lr=half)
+    got = float(optim.update(adjusted, {"w": jnp.zeros(1)}, {"w": jnp.ones(1)})[1]["w"][0])
+    assert got == pytest.approx(-0.5, rel=1e-6)
