@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._tree import PyTree, describe, flatten, is_trainable, show
+from ._tree import PyTree, describe, flatten, is_trainable, show, unique_index
 from ._ties import tie_groups, tie_positions
 
 
@@ -118,12 +118,39 @@ class Layout:
 
     @functools.cached_property
     def index(self) -> dict[str, int]:
-        return {p: i for i, p in enumerate(self.paths)}
+        """`{dotted path: position}` for the paths that name one leaf (see `ambiguous`)."""
+        return unique_index(self.paths)
+
+    @functools.cached_property
+    def ambiguous(self) -> frozenset[str]:
+        """Dotted paths shared by several leaves (`{"a.b": x, "a": {"b": y}}`): names are for people only, so such
+        a model trains normally, but these names cannot select a leaf."""
+        return frozenset(p for p in self.paths if p not in self.index)
+
+    @functools.cached_property
+    def keypaths(self) -> tuple[tuple, ...]:
+        """JAX's key path of every leaf position: how gradients are matched to the model (dotted names can
+        collide, key paths cannot)."""
+        return tuple(kp for kp, _ in jax.tree_util.tree_flatten_with_path(
+            self.treedef.unflatten([0] * self.treedef.num_leaves))[0])
+
+    @functools.cached_property
+    def key_index(self) -> dict[tuple, int]:
+        """`{key path: position}`."""
+        return {kp: i for i, kp in enumerate(self.keypaths)}
+
+    @functools.cached_property
+    def key_nodes(self) -> frozenset[tuple]:
+        """Every key path that is a subtree of the model (a proper prefix of a leaf's key path)."""
+        return frozenset(kp[:k] for kp in self.keypaths for k in range(len(kp)))
 
     def param(self, path: str) -> int:
         """The index of the parameter at dotted `path` (any member of a tie group)."""
         i = self.index.get(path)
         if i is None:
+            if path in self.ambiguous:
+                raise PathError(f"{show(path)} names several leaves of this model (its dotted names collide, e.g. "
+                                "a key 'a.b' beside a subtree 'a' with key 'b'); rename a key to select one")
             raise PathError(f"{show(path)} is not a leaf path of the model{_suggest(path, self.paths)}")
         u = self.param_of[i]
         if u < 0:
@@ -131,12 +158,23 @@ class Layout:
         return u
 
     def match(self, pattern: str) -> list[int]:
-        """Parameters with a member path equal to, below, or fnmatch-matching `pattern`."""
+        """Parameters with a member path equal to `pattern`; if none is, those with a member below it or, for a
+        pattern that names no path, fnmatch-matching it. An exact path means that path only: `"w[0]"` (a dict
+        key with brackets) is not the glob that also matches `"w0"`."""
+        if pattern in self.index:
+            u = self.param_of[self.index[pattern]]
+            return [u] if u >= 0 else []
         hits = set()
         for i, p in enumerate(self.paths):
-            if self.param_of[i] >= 0 and (p == pattern or p.startswith(pattern + ".") or pattern == ""
-                                          or fnmatch.fnmatchcase(p, pattern)):
+            if self.param_of[i] >= 0 and (p.startswith(pattern + ".") or pattern == "" or p == pattern):
                 hits.add(self.param_of[i])
+        if not hits:
+            hits = {self.param_of[i] for i, p in enumerate(self.paths)
+                    if self.param_of[i] >= 0 and fnmatch.fnmatchcase(p, pattern)}
+        clash = sorted({self.paths[i] for i, p in enumerate(self.param_of) if p in hits} & self.ambiguous)
+        if clash:
+            raise PathError(f"{show(pattern)} selects {show(clash[0])}, a dotted name that several leaves of this "
+                            "model share (e.g. a key 'a.b' beside a subtree 'a' with key 'b'); rename a key")
         return sorted(hits)
 
 
@@ -388,6 +426,14 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     if traced:
         warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
                       "which jit does not preserve. Call setup outside jit.", stacklevel=2)
+    _check_ties_form(ties)
+    if ties:
+        seen: set = set()
+        clash = {p for p in paths if p in seen or seen.add(p)}
+        for p in [q for k, v in ties.items() for q in (k, v if isinstance(v, str) else v[0])]:
+            if p in clash:
+                raise ValueError(f"ties: {show(p)} names several leaves (the model's dotted names collide, e.g. "
+                                 "a key 'a.b' beside a subtree 'a' with key 'b'); rename a key to tie it")
     plain = {k: v for k, v in (ties or {}).items() if isinstance(v, str)}
     groups = tie_groups(paths, leaves, trainable, plain)
     transforms = _transformed(ties or {}, groups, paths, leaves, trainable)
@@ -395,7 +441,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
         warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
                       stacklevel=2)
     rules, rule_of = _choose_rules(rule, groups, paths, leaves)
-    params = tuple(Param(c, members, tuple(leaves[c].shape), _dtype(leaves[c].dtype), rule_of[c],
+    params = tuple(Param(c, members, tuple(leaves[c].shape), canonical_dtype(leaves[c].dtype), rule_of[c],
                          transforms.get(c, ()), _placement(leaves[c])) for c, members in groups.items())
     layout = Layout(treedef, params, (False,) * len(params))
     if paths.computed is not None:
@@ -409,6 +455,23 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     if like is not None:
         state = _keep_matching(like, state)
     return state
+
+
+def _check_ties_form(ties: Any) -> None:
+    """`ties=` is `{path: canonical_path}` or `{path: (canonical_path, f)}`: refuse anything else up front."""
+    if ties is None:
+        return
+    if not isinstance(ties, Mapping):
+        raise TypeError(f"setup: ties= takes a dict {{path: canonical_path}}, e.g. ties={{'head.w': 'emb.w'}}; got "
+                        f"{type(ties).__name__} {ties!r}" + (" (for a list of pairs, write ties=dict(pairs))"
+                                                             if isinstance(ties, (list, tuple)) else ""))
+    for k, v in ties.items():
+        if not isinstance(k, str):
+            raise TypeError(f"setup: ties= keys are dotted paths (str), got {type(k).__name__} {k!r}; "
+                            "write ties={'head.w': 'emb.w'}")
+        if not (isinstance(v, str) or (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                                       and callable(v[1]))):
+            raise TypeError(f"setup: ties[{k!r}] must be a canonical path (str) or (path, function), got {v!r}")
 
 
 def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tuple[list, dict]:
@@ -437,7 +500,7 @@ def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list
     out: dict = {}
     if not any(not isinstance(v, str) for v in ties.values()):
         return out
-    index = {p: i for i, p in enumerate(paths)}
+    index = unique_index(paths)
     canon_of = {i: c for c, members in groups.items() for i in members}
     for src, spec in ties.items():
         if isinstance(spec, str):
@@ -455,7 +518,7 @@ def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list
         if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
             raise ValueError(f"ties: {show(src)} is {describe(got)} but {_fname(f)}({show(dst)}) is "
                              f"{jnp.dtype(want.dtype).name}{list(want.shape)}")
-        out.setdefault(c, []).append((i, f, tuple(got.shape), jnp.dtype(got.dtype)))
+        out.setdefault(c, []).append((i, f, tuple(got.shape), canonical_dtype(got.dtype)))
         del groups[canon_of[i]]
     return {c: tuple(v) for c, v in out.items()}
 
@@ -494,14 +557,8 @@ class _LazyPaths:
 
 
 def leaf_paths(treedef) -> list[str]:
-    """Dotted paths of every leaf of `treedef`; they must be unique to name leaves."""
-    paths = flatten(treedef.unflatten([0] * treedef.num_leaves))[0]
-    if len(set(paths)) != len(paths):
-        seen = set()
-        dup = next(p for p in paths if p in seen or seen.add(p))
-        raise ValueError(f"two leaves share the dotted path {show(dup)}; dotted paths name leaves in "
-                         "freeze/thaw/ties/state[...], so they must be unique (rename a dict key)")
-    return paths
+    """Dotted paths of every leaf of `treedef` (two leaves may share one: see `Layout.ambiguous`)."""
+    return flatten(treedef.unflatten([0] * treedef.num_leaves))[0]
 
 
 def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,
@@ -518,7 +575,7 @@ def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
     """
     try:
         if local if local is not None else all(_local(x) for x in xs):
-            proto = _host_init(rule, tuple(xs[0].shape), jnp.dtype(xs[0].dtype), cache)
+            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache)
             if proto is not None:
                 return stack_states([proto] * len(xs))
         return _placed_init(rule, xs)
@@ -620,8 +677,9 @@ def _local(x: Any) -> bool:
 _LAST_LOCAL: list = [None]
 
 
-def _dtype(d: Any) -> np.dtype:
-    return d if isinstance(d, np.dtype) else jnp.dtype(d)
+def canonical_dtype(d: Any) -> np.dtype:
+    """The dtype JAX gives an array of dtype `d`: numpy float64 is float32 unless x64 is enabled."""
+    return jax.dtypes.canonicalize_dtype(d)
 
 
 def _placement(x: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ._tree import describe, show
+from ._tree import describe, show, unique_index
 
 
 def tie_groups(paths: Any, leaves: list[Any], trainable: list[bool],
@@ -35,7 +35,7 @@ def _merge_explicit(groups: dict[int, list[int]], paths: Any, leaves: list[Any],
             i = parent[i]
         return i
 
-    index = {p: i for i, p in enumerate(paths)}
+    index = unique_index(paths)
     targets: set[int] = set()
     for src, dst in ties.items():
         tie_positions(index, leaves, trainable, src, dst)

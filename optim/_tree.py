@@ -28,6 +28,14 @@ def dotted(keypath: tuple) -> str:
     return ".".join(_key_name(k) for k in keypath)
 
 
+def unique_index(paths) -> dict[str, int]:
+    """`{dotted path: position}` for the paths that name exactly one leaf (dotted names can collide)."""
+    out: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        out[p] = -1 if p in out else i
+    return {p: i for p, i in out.items() if i >= 0}
+
+
 def show(path: str) -> str:
     """A path as error messages print it (the root has the empty path)."""
     return repr(path) if path else "<root>"

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._rules import _joint_norm, apply_all, apply_step, step_row
 from ._schedules import resolve
 from ._state import Layout, State, stack_arrays, unwrap
-from ._tree import PyTree, describe, dotted, prefixes, show, structure_diff
+from ._tree import PyTree, describe, dotted, show, structure_diff
 
 
 def _take(seq, idx: tuple[int, ...]) -> tuple:
@@ -50,10 +53,14 @@ class Program:
     # per such group: (rows of its stack that step, their indices into `graded`, into `stepping`)
     group_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
     stack_src: tuple[int, ...]            # per group: index into new_stacks + old stacks
+    # its jitted callables (see `_jitted`), made on first use: [core, core donating, sums]
+    jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
 
+# Least recently used first. Evicting a Program frees its compiled executables (see `_jitted`).
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 _MAX_PROGRAMS = 256
+_MRU: Program | None = None   # the last Program `_plan` returned: the last entry of `_PROGRAMS`
 
 
 def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
@@ -72,10 +79,15 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     """
     prog, leaves, treedef, flat = _plan(state, model, (grads, *more_grads), "update")
     gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
-    run = _core_donated if donate else _core_jit
-    new_stacks, new_params, step, summed = run(
-        prog, return_grads, state.rules, _take(state.stacks, prog.step_groups),
-        _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
+    k = 1 if donate else 0
+    run = prog.jitted[k] or _jitted(prog, k)
+    try:
+        new_stacks, new_params, step, summed = run(
+            return_grads, state.rules, _take(state.stacks, prog.step_groups),
+            _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
+    except TypeError:
+        _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
+        raise
     new_leaves = _take(new_params + tuple(leaves), prog.out_src)
     new_state = State(state.layout, state.rules, _take(new_stacks + state.stacks, prog.stack_src), step)
     if return_grads:
@@ -106,7 +118,12 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
     prog, leaves, treedef, flat = _plan(state, model, (grads,), "tie_grads", check_model=params_needed)
     xs = _take(leaves, prog.param_pos) if params_needed else tuple(
         jax.ShapeDtypeStruct(state.layout.params[u].shape, state.layout.params[u].dtype) for u in prog.graded)
-    summed = _sums_jit(prog, xs, (_take(flat[0], prog.grad_take[0]),))
+    gs = (_take(flat[0], prog.grad_take[0]),)
+    try:
+        summed = (prog.jitted[2] or _jitted(prog, 2))(xs, gs)
+    except TypeError:
+        _check_arrays(prog, leaves if params_needed else None, gs, "tie_grads")
+        raise
     return _grad_tree(prog, summed, treedef)
 
 
@@ -125,6 +142,31 @@ def global_norm(grads: PyTree, state: State | None = None) -> jax.Array:
     return _joint_norm([jnp.asarray(g) for g in leaves])
 
 
+def _check_arrays(prog: Program, leaves: list | None, grads: tuple, who: str) -> None:
+    """After jit refused an argument: raise a TypeError naming the model path of a gradient (or parameter) that
+    is not an array. Checked only on failure, so a valid call pays nothing for it."""
+    def ok(v: Any) -> bool:
+        return isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+    for t, tree in enumerate(grads):
+        for k, g in enumerate(tree):
+            if not ok(g):
+                tree_name = "grads" if t == 0 else f"gradient tree {t + 1}"
+                raise TypeError(f"{who}: {tree_name} has {type(g).__name__} {_short(g)} at "
+                                f"{show(prog.grad_paths[t][k])}, where the model has a parameter; a gradient is an "
+                                "array (or None for no step)")
+    lay = prog.layout
+    for i in (prog.param_pos + prog.check_pos) if leaves is not None else ():
+        if not ok(leaves[i]):
+            raise TypeError(f"{who}: model leaf {show(lay.paths[i])} is {type(leaves[i]).__name__} "
+                            f"{_short(leaves[i])}, but the state was set up with an array there")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _grad_tree(prog: Program, summed: tuple, treedef) -> PyTree:
     out: list = [None] * treedef.num_leaves
     for g, u in zip(summed, prog.graded):
@@ -139,12 +181,19 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
     key = (lay, *(d for _, d in flat))
+    global _MRU
     prog = _PROGRAMS.get(key)
     if prog is None:
-        prog = _program(lay, trees, who)
+        prog = _MRU = _program(lay, trees, who)
         _PROGRAMS[key] = prog
-        if len(_PROGRAMS) > _MAX_PROGRAMS:
+        while len(_PROGRAMS) > _MAX_PROGRAMS:
             _PROGRAMS.popitem(last=False)
+    elif prog is not _MRU:   # LRU: a hit moves to the end (unless already there: saves hashing the key again)
+        _MRU = prog
+        try:
+            _PROGRAMS.move_to_end(key)
+        except KeyError:     # another thread evicted it meanwhile; prog is still valid
+            pass
     return prog, leaves, treedef, [g for g, _ in flat]
 
 
@@ -162,27 +211,31 @@ def _paths(tree: PyTree) -> list[str]:
 
 
 def _grad_map(lay: Layout, grads: PyTree, which: str) -> tuple[dict[int, int], list[str]]:
-    """Match a gradient tree to model positions by dotted path: `{position: flat gradient index}`.
+    """Match a gradient tree to model positions by JAX key path: `{position: flat gradient index}`.
 
-    `None` may stand for any subtree. Anything else missing or extra is a structure error naming the path.
+    Key paths, not dotted names: a flat `{"a.b": g}` is not a gradient for `{"a": {"b": x}}`, and a model whose
+    dotted names collide still trains. `None` may stand for any subtree. Anything else missing or extra is a
+    structure error naming the path.
     """
     pairs, _ = jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)
-    nodes = {q for p in lay.paths for q in prefixes(p)}
     nones, found, gpaths = set(), {}, []
     for kp, g in pairs:
-        p = dotted(kp)
         if g is None:
-            nones.add(p)
+            nones.add(kp)
             continue
-        gpaths.append(p)
-        i = lay.index.get(p)
+        gpaths.append(dotted(kp))
+        i = lay.key_index.get(kp)
         if i is None:
-            where = "where the model has a subtree" if p in nodes else "which is not a path of the model"
-            raise ValueError(f"{which} has a leaf ({describe(g)}) at {show(p)}, {where}")
+            where = ("where the model has a subtree" if kp in lay.key_nodes else
+                     f"which is not a path of the model (key path {jax.tree_util.keystr(kp)}: gradients must "
+                     f"have the model's structure, whose leaves are at "
+                     f"{', '.join(map(jax.tree_util.keystr, lay.keypaths[:3]))}"
+                     f"{', ...' if len(lay.keypaths) > 3 else ''})")
+            raise ValueError(f"{which} has a leaf ({describe(g)}) at {show(gpaths[-1])}, {where}")
         found[i] = len(gpaths) - 1
-    for i, p in enumerate(lay.paths):
-        if i not in found and not any(q in nones for q in prefixes(p)):
-            raise ValueError(f"{which} has no entry for {show(p)} (use None for 'no gradient'); "
+    for i, kp in enumerate(lay.keypaths):
+        if i not in found and not any(kp[:k] in nones for k in range(len(kp) + 1)):
+            raise ValueError(f"{which} has no entry for {show(lay.paths[i])} (use None for 'no gradient'); "
                              f"structure differs from the model: " + structure_diff(list(lay.paths), gpaths))
     return found, gpaths
 
@@ -239,7 +292,8 @@ def _check_param(x: Any, lay: Layout, i: int) -> None:
     for t in p.transforms:
         if t[0] == i:
             shape, dtype = t[2], t[3]
-    if not hasattr(x, "shape") or tuple(x.shape) != shape or jnp.dtype(x.dtype) != dtype:
+    # Compared as JAX will store it: a numpy float64 model under 32-bit JAX was set up as float32.
+    if not hasattr(x, "shape") or tuple(x.shape) != shape or jax.dtypes.canonicalize_dtype(x.dtype) != dtype:
         raise ValueError(f"update: model leaf {show(lay.paths[i])} is {describe(x)} but the state was set up for "
                          f"{jnp.dtype(dtype).name}{list(shape)} (a state set up for a different model?)")
 
@@ -354,6 +408,28 @@ def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
     return tuple(s[0] for s in _sums(prog, xs, grads))
 
 
-_core_jit = jax.jit(_core, static_argnums=(0, 1))
-_core_donated = jax.jit(_core, static_argnums=(0, 1), donate_argnums=(3, 4))
-_sums_jit = jax.jit(_sums_core, static_argnums=0)
+def _jitted(prog: Program, k: int) -> Any:
+    """Make `prog.jitted[k]`: 0 runs `_core`, 1 runs it donating the state stacks and parameters, 2 `_sums_core`.
+
+    Each Program owns its jitted functions, and JAX keeps a function's traces and executables only while the
+    function lives (its caches hold functions weakly), so evicting a Program from `_PROGRAMS` frees what was
+    compiled for it. (A global `jax.jit(_core, static_argnums=0)` would keep every Program it has seen, with its
+    executables, alive as a static argument in JAX's caches.) The functions reach the Program through a weak
+    reference, so there is no reference cycle: the memory goes at eviction, not at some later `gc` pass.
+    """
+    ref = weakref.ref(prog)
+    if k == 2:
+        f = jax.jit(functools.partial(_sums_of, ref))
+    else:
+        f = jax.jit(functools.partial(_core_of, ref), static_argnums=0, donate_argnums=(2, 3) if k else ())
+    prog.jitted[k] = f
+    return f
+
+
+def _core_of(ref: weakref.ref, want_grads: bool, rules: tuple, stacks: tuple, params: tuple, checks: tuple,
+             grads: tuple, step: Any):
+    return _core(ref(), want_grads, rules, stacks, params, checks, grads, step)
+
+
+def _sums_of(ref: weakref.ref, xs: tuple, grads: tuple) -> tuple:
+    return _sums_core(ref(), xs, grads)

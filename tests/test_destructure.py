@@ -57,3 +57,58 @@ def test_rebuild_under_jit():
     flat, rebuild = optim.destructure(model)
     out = jax.jit(rebuild)(flat + 1)
     np.testing.assert_allclose(out["b"][0], np.ones((2, 2)))
+
+
+# ----------------------------------------------------------------------------------------- with the state's tie map
+def _tied():
+    s = jnp.array([1.0, 2.0])
+    return {"x": s, "y": s, "z": jnp.array([3.0, 4.0, 5.0, 6.0])}
+
+
+def test_destructure_under_jit_and_grad_counts_a_tie_once_with_state():
+    model = _tied()
+    state = optim.setup(optim.Adam(), model)
+    assert optim.destructure(model)[0].shape == (6,)
+    assert jax.jit(lambda m: optim.destructure(m, state)[0])(model).shape == (6,)
+    g = jax.grad(lambda m: jnp.sum(optim.destructure(m, state)[0] ** 2))(model)
+    # the flat vector holds the canonical 'x' only: the tied position 'y' gets no gradient through it
+    np.testing.assert_allclose(g["x"], [2.0, 4.0])
+    np.testing.assert_allclose(g["y"], [0.0, 0.0])
+    flat, rebuild = optim.destructure(model, state)
+    back = rebuild(flat * 2)
+    assert back["x"] is back["y"]
+
+
+def test_trainables_under_jit_with_state():
+    model = _tied()
+    state = optim.setup(optim.Adam(), model)
+    n = jax.jit(lambda m: sum(a.size for a in optim.trainables(m, state)))(model)
+    assert int(n) == 6
+    assert [p for p, _ in optim.trainables(model, state, path=True)] == ["x", "z"]
+    assert [p for p, _ in optim.trainables(model, True)] == ["x", "z"]   # old positional path=True
+
+
+def test_traced_model_without_state_warns():
+    model = _tied()
+    with pytest.warns(UserWarning, match="destructure\\(model, state\\)"):
+        jax.eval_shape(lambda m: optim.destructure(m)[0], model)
+    with pytest.warns(UserWarning, match="trainables\\(model, state\\)"):
+        jax.eval_shape(lambda m: len(optim.trainables(m)), model)
+
+
+def test_destructure_with_state_checks_structure_and_type():
+    state = optim.setup(optim.Adam(), _tied())
+    with pytest.raises(ValueError, match="does not have the structure.*missing 'z'"):
+        optim.destructure({"x": jnp.ones(2), "y": jnp.ones(2)}, state)
+    with pytest.raises(TypeError, match="second argument is the State from optim.setup, got dict"):
+        optim.destructure(_tied(), {"x": 1})
+
+
+def test_destructure_with_transformed_tie_rebuilds_the_function():
+    a = jnp.arange(6.0).reshape(2, 3)
+    model = {"a": a, "b": a.T}
+    state = optim.setup(optim.Descent(), model, ties={"b": ("a", jnp.transpose)})
+    flat, rebuild = optim.destructure(model, state)
+    assert flat.shape == (6,)
+    back = rebuild(flat + 1)
+    np.testing.assert_allclose(back["b"], (a + 1).T)

@@ -126,7 +126,7 @@ def test_transformed_tie_errors():
     model = {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2)), "c": jnp.ones((2, 2))}
     with pytest.raises(ValueError, match="'c' is float32\\[2, 2\\] but transpose\\('a'\\) is float32\\[3, 2\\]"):
         optim.setup(optim.Descent(), model, ties={"c": ("a", jnp.transpose)})
-    with pytest.raises(TypeError, match="expected a path or \\(path, function\\)"):
+    with pytest.raises(TypeError, match="must be a canonical path \\(str\\) or \\(path, function\\)"):
         optim.setup(optim.Descent(), model, ties={"b": ("a",)})
     with pytest.raises(ValueError, match="'z' is not a leaf"):
         optim.setup(optim.Descent(), model, ties={"b": ("z", jnp.transpose)})

@@ -1,0 +1,126 @@
+"""The eager program cache of `update`: LRU, and evicting a program frees what was compiled for it.
+
+Each distinct `None` pattern in the gradients is a new program. Every test runs on a fresh, small cache.
+"""
+
+import collections
+import contextlib
+import gc
+import itertools
+import os
+import weakref
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optim
+import optim._update as U
+
+L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
+
+
+@pytest.fixture
+def small_cache(monkeypatch):
+    def limit(n):
+        monkeypatch.setattr(U, "_MAX_PROGRAMS", n)
+    monkeypatch.setattr(U, "_PROGRAMS", collections.OrderedDict())
+    return limit
+
+
+def setup():
+    model = {f"l{i}": jnp.full((2,), float(i)) for i in range(L)}
+    return optim.setup(optim.Descent(0.1), model), model
+
+
+def patterns(n, skip_full=False):
+    """`n` gradient trees, each with a different set of leaves set to None."""
+    g = jnp.ones((2,))
+    subsets = [c for r in range(L, 0, -1) for c in itertools.combinations(range(L), r)][int(skip_full):]
+    return [{f"l{i}": g if i in c else None for i in range(L)} for c in subsets[:n]]
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts XLA compilations (old and new cache alike compile through jit)."""
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_lru_keeps_the_pattern_used_on_every_step(small_cache, monkeypatch):
+    small_cache(4)
+    built = []
+    program = U._program
+    monkeypatch.setattr(U, "_program", lambda *a: built.append(program(*a)) or built[-1])
+    state, model = setup()
+    hot, *rare = patterns(13)
+    for _ in range(2):   # the second call sees committed arrays (a new signature for jit), then stays warm
+        state, model = optim.update(state, model, hot)
+    with counting_compiles() as compiles:
+        for g in rare:   # 12 rare patterns through a cache of 4, the hot one in between
+            state, model = optim.update(state, model, g)
+            state, model = optim.update(state, model, hot)
+    jax.block_until_ready(model)
+    assert len(built) == 1 + len(rare), "the pattern used on every step was evicted and rebuilt"
+    assert len(compiles) == len(rare), "the pattern used on every step was compiled again"
+    assert built[0] in U._PROGRAMS.values() and len(U._PROGRAMS) == 4
+    assert next(reversed(U._PROGRAMS.values())) is built[0]   # most recently used last
+
+
+def test_eviction_frees_the_program_and_its_executables(small_cache):
+    small_cache(2)
+    state, model = setup()
+    first, *others = patterns(13)
+    # all three callables of a program: plain, donated, and the one behind tie_grads
+    state, model = optim.update(state, model, first)
+    state, model = optim.update(state, jax.tree.map(jnp.copy, model), first, donate=True)
+    optim.tie_grads(state, first)
+    dead = weakref.ref(next(reversed(U._PROGRAMS.values())))
+    client = jax.devices()[0].client
+    live = getattr(client, "live_executables", None)
+    gc.collect()
+    before = len(live()) if live else 0
+    for g in others:
+        state, model = optim.update(state, model, g)
+    jax.block_until_ready(model)
+    gc.collect()
+    assert dead() is None, "an evicted Program is still alive (and with it its executables)"
+    assert sum(isinstance(o, U.Program) and o.layout is state.layout for o in gc.get_objects()) <= 2
+    if live:
+        # `first` had 3 executables (now freed); 2 programs of one executable each are cached
+        assert len(live()) - before <= 2, f"{len(live()) - before} more live executables after 12 evictions"
+    # an evicted pattern comes back as a new program, and still works, donated too
+    state, new = optim.update(state, jax.tree.map(jnp.copy, model), first, donate=True)
+    assert jnp.allclose(new["l0"], model["l0"] - 0.1)
+
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_rss_stays_flat_when_patterns_cycle_through_a_small_cache(small_cache):
+    small_cache(4)
+    state, model = setup()
+    gs = patterns(30)
+    growth = []
+    for _ in range(3):   # each cycle compiles all 30 again (LRU cannot help a cycle longer than the cache)
+        gc.collect()
+        r = rss_mib()
+        for g in gs:
+            state, model = optim.update(state, model, g)
+        jax.block_until_ready(model)
+        gc.collect()
+        growth.append(rss_mib() - r)
+    print("RSS growth per cycle (MiB):", growth)
+    # The old cache kept every executable alive, ~1.6 MiB each here, so each cycle grew by ~50 MiB.
+    assert growth[2] < max(0.25 * growth[0], 8.0), f"RSS growth per cycle (MiB): {growth}"
