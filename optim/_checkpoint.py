@@ -5,14 +5,19 @@ a JSON description (`meta`, UTF-8 bytes), its SHA-256 (`check`) and every array'
 64-byte aligned, at offsets the description gives; one member instead of one per array keeps a model with
 tens of thousands of leaves fast to write and read). Nothing in it is code and nothing is unpickled, so loading
 a file never runs anything from it; classes (the model's node types, the rules) come from `like`, which the
-caller builds with their own code, and the file must describe exactly the same structure.
+caller builds with their own code, and the file must describe exactly the same structure. Members are stored
+uncompressed, and `load` checks every member's size against its `.npy` header and the description before
+reading it, so a crafted file cannot make it inflate or allocate more than the file holds.
 
 What the file holds: every leaf path of the model, the tie groups (canonical path and members, transformed
 members with the function's name), the frozen flags, each rule's hyperparameters (schedules included: they
 are pytrees of numbers), the step counter, every optimiser state array, and, when `model` is given, the model's
-arrays (each tie group once) and plain Python leaves (numbers, strings). A SHA-256 of every array and of the
-description detects corruption; `load` checks everything against `like` before it builds anything, so a bad or
-mismatched file raises a `ValueError` that names what differs and nothing is half-loaded.
+arrays (each tie group once) and plain Python leaves (numbers, strings). A typed PRNG key (`jax.random.key`)
+is stored as its key data plus its implementation's name (`"key"` in its entry); such a file has format
+version 2, so that an older optim, which would take the data for plain integers, refuses it. A SHA-256 of
+every array and of the description detects corruption; `load` checks everything against `like` before it
+builds anything, so a bad or mismatched file raises a `ValueError` that names what differs and nothing is
+half-loaded.
 
 `save` writes a temporary file in the same directory, flushes and fsyncs it, renames it over `path`
 (`os.replace`, atomic on POSIX and Windows) and fsyncs the directory: a crash at any moment leaves either the
@@ -41,7 +46,7 @@ from ._update import _paths as _leaf_paths
 __all__ = ["save", "load"]
 
 FORMAT = "optim-checkpoint"
-VERSION = 1
+VERSION = 2        # 1: no typed PRNG keys; 2: entries may carry "key" (written only when the file holds keys)
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -73,9 +78,12 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     if not isinstance(state, State):
         raise TypeError(f"save: expected the State from optim.setup, got {type(state).__name__}")
     lay = state.layout
+    if lay.ambiguous:   # the file names leaves by dotted path
+        raise ValueError(f"save: several leaves of this model share the dotted path "
+                         f"{sorted(lay.ambiguous)[0]!r}, and checkpoints name leaves by dotted path; rename a key")
     paths = list(lay.paths)
     writer = _Writer()
-    meta: dict[str, Any] = {"format": FORMAT, "version": VERSION, "paths": paths,
+    meta: dict[str, Any] = {"format": FORMAT, "version": 1, "paths": paths,       # version: set below
                             "structure": _signature(lay.treedef)}
 
     rules = []
@@ -116,6 +124,7 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     else:
         meta["model"] = None
 
+    meta["version"] = VERSION if writer.keys else 1      # files without keys stay readable by older optim
     meta["data_bytes"] = size = writer.fetch()
     body = json.dumps(meta, separators=(",", ":")).encode()
     _write_atomic(os.fspath(path), body, writer.arrays, writer.entries, size)
@@ -134,11 +143,13 @@ def _param_states(state: State) -> list:
 
 class _Writer:
     """Collects a checkpoint's arrays (named `a0, a1, ...` in the description); a JSON entry describes every
-    leaf: an array's name, dtype, shape, place in the data blob and SHA-256, or a Python value."""
+    leaf: an array's name, dtype, shape, place in the data blob and SHA-256 (for typed PRNG keys: of their key
+    data, plus `"key"`: the implementation's name), or a Python value."""
 
     def __init__(self):
         self.arrays: list = []
         self.entries: list[dict] = []
+        self.keys = False
 
     def leaf(self, v: Any, what: str, optional: bool = False) -> dict:
         if isinstance(v, (jax.Array, np.ndarray, np.generic)):
@@ -148,12 +159,22 @@ class _Writer:
                 raise ValueError(f"save: {what} is not fully addressable from this process (several hosts): "
                                  "gather it first (jax.experimental.multihost_utils.process_allgather) or "
                                  "save one file per process")
+            key = None
+            if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+                key = str(jax.random.key_impl(v))
+                data = jax.eval_shape(jax.random.key_data, v)
+                if _key_type(key, data.shape, data.dtype) != (v.shape, str(v.dtype)):
+                    raise ValueError(f"save: {what} is a PRNG key of implementation {key!r}, which load could not "
+                                     "rebuild (jax.random.wrap_key_data takes only JAX's named implementations)")
+                v, self.keys = jax.random.key_data(v), True
             name = _name(v.dtype)
             try:
                 _dtype(name, what)
             except TypeError:
                 raise TypeError(f"save: {what} has dtype {name}, which a checkpoint cannot hold") from None
             entry = {"array": f"a{len(self.arrays)}", "dtype": name, "shape": list(np.shape(v))}
+            if key is not None:
+                entry["key"] = key
             self.arrays.append(v)
             self.entries.append(entry)
             return entry
@@ -306,6 +327,8 @@ def _open(path: str) -> tuple[dict, Any]:
     try:
         if not isinstance(npz, np.lib.npyio.NpzFile) or "meta" not in npz.files or "check" not in npz.files:
             raise ValueError("it has no optim description (meta.npy)")
+        _stored_size(npz, "meta")
+        _stored_size(npz, "check")
         body = npz["meta"].tobytes()
         if hashlib.sha256(body).digest() != npz["check"].tobytes():
             raise ValueError("the description's checksum does not match (corrupted)")
@@ -314,12 +337,41 @@ def _open(path: str) -> tuple[dict, Any]:
             raise ValueError("it is not an optim checkpoint")
         if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
             raise ValueError(f"it has format version {meta.get('version')!r}; this optim reads up to {VERSION}")
+        if "data" not in npz.files:
+            raise ValueError("it has no data member (data.npy)")
+        size = _stored_size(npz, "data")
+        if size != meta.get("data_bytes"):
+            raise ValueError(f"its member data.npy holds {size} bytes of arrays, its description says "
+                             f"{meta.get('data_bytes')!r} (truncated or corrupted)")
     except Exception as e:
         if hasattr(npz, "close"):
             npz.close()
         msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"load: {path} is not a readable optim checkpoint: {msg}") from None
     return meta, npz
+
+
+def _stored_size(npz: Any, name: str) -> int:
+    """The length of member `name` (a .npy of bytes), checked against the zip's sizes before any of its data is
+    read. `save` stores members uncompressed: a compressed one could inflate far beyond the file (a zip bomb),
+    and numpy allocates what a .npy header says before reading, so both must agree with the zip's sizes."""
+    info = npz.zip.getinfo(name + ".npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"its member {info.filename} is compressed (zip method {info.compress_type}); optim.save "
+                         "stores members uncompressed, and load does not inflate them")
+    with npz.zip.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"its member {info.filename} has .npy format version {version}")
+        fmt = np.lib.format
+        shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(f)
+        header = f.tell()
+    if dtype != np.uint8 or len(shape) != 1:
+        raise ValueError(f"its member {info.filename} holds {dtype}{list(shape)}, not bytes")
+    if info.file_size != header + shape[0] or info.compress_size != info.file_size:
+        raise ValueError(f"its member {info.filename} is {info.file_size} bytes long in the zip, but its .npy "
+                         f"header describes {header + shape[0]}")
+    return shape[0]
 
 
 class _Mismatch(ValueError):
@@ -341,18 +393,29 @@ class _Plan:
     """Everything `load` builds, checked against `like` before any array is read."""
 
     def __init__(self):
-        self.expect: dict[str, tuple[str, tuple, Any]] = {}   # array name -> (what, shape, dtype)
+        # array name -> (what, shape, dtype, PRNG key implementation or None)
+        self.expect: dict[str, tuple[str, tuple, Any, str | None]] = {}
 
     def want(self, entry: dict, what: str, shape: tuple | None = None, dtype: Any = None) -> None:
+        """Read `entry`'s array; if `shape` is given, it must have that shape and dtype (keys: of the keys)."""
         if not isinstance(entry, dict):
             raise TypeError(f"{what}: entry is not an object")
         if "array" not in entry:
             raise _Mismatch(f"{what}: the checkpoint has a Python {entry.get('py')}, like= has an array")
         got_shape, got_dtype = tuple(entry["shape"]), entry["dtype"]
+        key = entry.get("key")
+        if key is not None:      # typed PRNG keys: compare the keys' shape and dtype, not their data's
+            if not isinstance(key, str):
+                raise TypeError(f"{what}: key implementation {key!r} is not a name")
+            keys = _key_type(key, got_shape, _dtype(got_dtype, what))
+            if keys is None:
+                raise _Mismatch(f"{what}: the checkpoint holds PRNG keys of implementation {key!r} with data "
+                                f"{got_dtype}{list(got_shape)}, which this JAX cannot rebuild")
+            got_shape, got_dtype = keys
         if shape is not None and (tuple(shape) != got_shape or _name(dtype) != got_dtype):
             raise _Mismatch(f"{what}: the checkpoint has {got_dtype}{list(got_shape)}, like= has "
                             f"{_name(dtype)}{list(shape)}")
-        self.expect[entry["array"]] = (what, got_shape, _dtype(got_dtype, what))
+        self.expect[entry["array"]] = (what, tuple(entry["shape"]), _dtype(entry["dtype"], what), key)
 
 
 def _match(meta: dict, like: State, like_model: Any) -> Any:
@@ -471,8 +534,10 @@ def _match(meta: dict, like: State, like_model: Any) -> Any:
             what = f"model leaf {show(paths[i])}"
             if i in placed:
                 plan.want(entry, what, *placed[i])
+            elif "array" in entry and isinstance(like_leaves_m[i], (jax.Array, np.ndarray, np.generic)):
+                plan.want(entry, what, np.shape(like_leaves_m[i]), like_leaves_m[i].dtype)
             elif "array" in entry:
-                plan.want(entry, what)
+                plan.want(entry, what)      # like= has a Python value there: the file's array, as saved
             else:
                 _python(entry, None)        # validate now: nothing may fail once building starts
 
@@ -558,18 +623,16 @@ def _want_like(plan: _Plan, entry: dict, x: Any, what: str) -> None:
 
 
 def _read_arrays(path: str, meta: dict, npz: Any, expect: dict) -> dict:
-    """Read the data blob and cut out every array the plan needs, checking its checksum, dtype and shape."""
+    """Read the data blob and cut out every array the plan needs, checking its checksum, dtype and shape (its
+    size was checked against the description when the file was opened). Typed PRNG keys are rebuilt here."""
     entries = {e["array"]: e for e in _all_entries(meta)}
     try:
         blob = npz["data"] if expect else np.zeros(0, np.uint8)
     except Exception as e:
         raise ValueError(f"load: {path} is truncated or corrupted: cannot read its data "
                          f"({type(e).__name__}: {e})") from None
-    if expect and (blob.dtype != np.uint8 or blob.shape != (meta["data_bytes"],)):
-        raise ValueError(f"load: {path} is truncated or corrupted: its data has {blob.size} bytes, its "
-                         f"description says {meta['data_bytes']}")
     out = {}
-    for name, (what, shape, dtype) in expect.items():
+    for name, (what, shape, dtype, key) in expect.items():
         e = entries[name]
         offset, nbytes = e["offset"], e["nbytes"]
         if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
@@ -579,6 +642,8 @@ def _read_arrays(path: str, meta: dict, npz: Any, expect: dict) -> dict:
         if _digest(raw) != e.get("sha256"):
             raise ValueError(f"load: {path} is corrupted: the checksum of {what} does not match")
         out[name] = raw.view(dtype).reshape(shape)
+        if key is not None:
+            out[name] = jax.random.wrap_key_data(out[name], impl=key)
     blob.flags.writeable = False       # numpy arrays handed out are views of it: read-only, like setup's
     return out
 
@@ -700,13 +765,25 @@ def _name(dtype: Any) -> str:
     try:
         return _NAMES[dtype]
     except (KeyError, TypeError):
-        name = jnp.dtype(dtype).name
+        # typed PRNG keys' dtypes ('key<fry>') are not numpy dtypes
+        name = str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else jnp.dtype(dtype).name
         with contextlib.suppress(TypeError):
             _NAMES[dtype] = name
         return name
 
 
 _NAMES: dict = {}
+
+
+def _key_type(impl: str, shape: tuple, dtype: Any) -> tuple | None:
+    """`(shape, dtype name)` of the typed PRNG keys that `jax.random.wrap_key_data(data, impl=impl)` rebuilds
+    from key data of `shape` and `dtype`, or None if it cannot (a name JAX does not know, data of another shape).
+    Abstract: nothing is computed."""
+    try:
+        keys = jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), jax.ShapeDtypeStruct(shape, dtype))
+    except (ValueError, TypeError):       # what wrap_key_data raises for an unknown name or mis-shaped data
+        return None
+    return tuple(keys.shape), str(keys.dtype)
 
 
 def _digest(a: np.ndarray) -> str:

@@ -438,7 +438,7 @@ def _rewrite_meta(path, edit):
 
 def test_newer_format_version_raises(saved):
     _rewrite_meta(saved, lambda m: {**m, "version": 99})
-    with pytest.raises(ValueError, match="format version 99; this optim reads up to 1"):
+    with pytest.raises(ValueError, match="format version 99; this optim reads up to 2"):
         load(saved, like=fresh())
 
 
@@ -453,6 +453,74 @@ def test_foreign_description_raises_cleanly(saved):
     _rewrite_meta(saved, lambda m: {**m, "params": "nonsense"})
     with pytest.raises(ValueError, match="malformed description"):
         load(saved, like=fresh())
+
+
+def _npy_bytes(n: int, body: bytes) -> bytes:
+    """A .npy of version 2.0 whose header says `n` bytes (uint8), followed by `body`."""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_2_0(f, {"descr": "|u1", "fortran_order": False, "shape": (n,)})
+    return f.getvalue() + body
+
+
+def _replace_data(path, data: bytes, compression=zipfile.ZIP_STORED) -> None:
+    with zipfile.ZipFile(path) as z:
+        items = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for name, old in items:
+            z.writestr(name, data if name == "data.npy" else old, compress_type=
+                       compression if name == "data.npy" else zipfile.ZIP_STORED)
+
+
+@pytest.fixture
+def data_reads(monkeypatch):
+    """Bytes that reading from the zip has returned, per member (clear it before the read to watch)."""
+    reads: dict = {}
+    real = zipfile.ZipExtFile.read
+
+    def read(self, n=-1):
+        out = real(self, n)
+        reads[self.name] = reads.get(self.name, 0) + len(out)
+        return out
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", read)
+    return reads
+
+
+def test_compressed_member_is_refused_before_it_is_inflated(saved, data_reads):
+    with zipfile.ZipFile(saved) as z:
+        size = json.loads(np.lib.format.read_array(io.BytesIO(z.read("meta.npy"))).tobytes())["data_bytes"]
+    n = 64 << 20                                                   # a 64 MiB run of zeros: ~64 KiB deflated
+    _replace_data(saved, _npy_bytes(n, bytes(n)), zipfile.ZIP_DEFLATED)
+    assert saved.stat().st_size < n // 100 and n > 1000 * size
+    data_reads.clear()
+    with pytest.raises(ValueError, match=r"ckpt.npz is not a readable optim checkpoint: its member data.npy is "
+                                         r"compressed \(zip method 8\); optim.save stores members uncompressed"):
+        load(saved, like=fresh())
+    assert data_reads.get("data.npy", 0) == 0                       # not a byte inflated
+
+
+def test_compressed_copy_of_a_valid_file_is_refused(saved):
+    with zipfile.ZipFile(saved) as z:
+        items = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(saved, "w", compression=zipfile.ZIP_DEFLATED) as z:      # same content, deflated
+        for name, data in items:
+            z.writestr(name, data)
+    with pytest.raises(ValueError, match=r"its member meta.npy is compressed"):
+        load(saved, like=fresh())
+
+
+@pytest.mark.parametrize("header, body, message", [
+    (1 << 40, 1000, r"its member data.npy is 1128 bytes long in the zip, but its .npy header describes "
+                    r"1099511627904"),                               # a header promising 1 TiB (numpy allocates it)
+    (4 << 20, 4 << 20, r"its member data.npy holds 4194304 bytes of arrays, its description says \d+ "
+                       r"\(truncated or corrupted\)"),               # consistent, but not what the description says
+])
+def test_member_sizes_are_checked_before_reading(saved, data_reads, header, body, message):
+    _replace_data(saved, _npy_bytes(header, bytes(body)))
+    data_reads.clear()
+    with pytest.raises(ValueError, match=message):
+        load(saved, like=fresh())
+    assert data_reads.get("data.npy", 0) < 4096                     # its .npy header, nothing of its data
 
 
 def test_unstorable_leaves_are_refused_before_writing(tmp_path):
@@ -482,6 +550,26 @@ def test_mismatched_model_raises_naming_the_difference(saved, change, message):
     model = change(build())
     with pytest.raises(ValueError, match=message):
         load(saved, like=_like_with(model))
+
+
+@pytest.mark.parametrize("vocab, message", [
+    (jnp.arange(5, dtype=jnp.int32), r"model leaf 'vocab': the checkpoint has int32\[6\], like= has int32\[5\]"),
+    (jnp.arange(6, dtype=jnp.int16), r"model leaf 'vocab': the checkpoint has int32\[6\], like= has int16\[6\]"),
+    (np.zeros((6, 1), bool), r"model leaf 'vocab': the checkpoint has int32\[6\], like= has bool\[6, 1\]"),
+])
+def test_non_trainable_array_of_another_shape_or_dtype_raises(saved, vocab, message):
+    with pytest.raises(ValueError, match=r"ckpt.npz does not match like=: " + message):
+        load(saved, like=_like_with({**build(), "vocab": vocab}))
+
+
+def test_step_counter_in_the_model_is_checked(tmp_path):
+    model = {"w": jnp.ones(3), "count": jnp.zeros(3, jnp.int32)}
+    save(tmp_path / "c.npz", optim.setup(optim.Adam(0.1), model), model)
+    for count, message in [(jnp.zeros(4, jnp.int32), r"int32\[3\], like= has int32\[4\]"),
+                           (jnp.zeros(3, jnp.uint8), r"int32\[3\], like= has uint8\[3\]")]:
+        like = {"w": jnp.ones(3), "count": count}
+        with pytest.raises(ValueError, match=r"model leaf 'count': the checkpoint has " + message):
+            load(tmp_path / "c.npz", like=(optim.setup(optim.Adam(0.1), like), like))
 
 
 def test_other_rule_raises(saved):
@@ -539,3 +627,71 @@ def test_readme_checkpoint_block(tmp_path, monkeypatch):
     exec(block, scope)
     assert int(scope["state"].step) == 3 and scope["model"]["emb"] is scope["model"]["head"]
     assert_bitwise(arrays(scope["state"], scope["model"]), arrays(state, model))
+
+
+# ------------------------------------------------------------------------------------------- PRNG keys
+def keyed(seed: int) -> dict:
+    """A model holding typed PRNG keys (one, an array of them, another implementation) and an old-style one."""
+    return {"w": jnp.ones(3), "rng": jax.random.key(seed), "keys": jax.random.split(jax.random.key(seed + 1), 3),
+            "rbg": jax.random.key(seed + 2, impl="rbg"), "old": jax.random.PRNGKey(seed + 3)}
+
+
+def _meta(path) -> dict:
+    with zipfile.ZipFile(path) as z:
+        return json.loads(np.lib.format.read_array(io.BytesIO(z.read("meta.npy"))).tobytes())
+
+
+def test_typed_prng_keys_round_trip(tmp_path):
+    state = optim.setup(optim.Adam(0.1), keyed(0))
+    state, model = optim.update(state, keyed(0), {"w": jnp.ones(3), "rng": None, "keys": None, "rbg": None,
+                                                  "old": None})
+    save(tmp_path / "k.npz", state, model)
+    like = keyed(10)
+    _, new = load(tmp_path / "k.npz", like=(optim.setup(optim.Adam(0.1), like), like))
+    for name in ("rng", "keys", "rbg"):
+        assert new[name].dtype == model[name].dtype and new[name].shape == model[name].shape
+        assert jax.random.key_impl(new[name]) == jax.random.key_impl(model[name])
+        assert (jax.random.key_data(new[name]) == jax.random.key_data(model[name])).all()
+    assert new["rbg"].dtype != new["rng"].dtype and new["keys"].shape == (3,)
+    for k, saved_k in [(new["rng"], model["rng"]), (new["keys"][2], model["keys"][2]), (new["rbg"], model["rbg"])]:
+        assert jax.random.normal(k, (3,)).tobytes() == jax.random.normal(saved_k, (3,)).tobytes()
+    assert new["old"].dtype == jnp.uint32 and new["old"].tobytes() == model["old"].tobytes()
+    assert _meta(tmp_path / "k.npz")["version"] == 2          # older optim refuses it, keys and all
+    save(tmp_path / "plain.npz", *fresh())
+    assert _meta(tmp_path / "plain.npz")["version"] == 1      # files without keys: the format they always had
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: {**m, "keys": jax.random.split(jax.random.key(0), 4)}, r"key<fry>\[3\], like= has key<fry>\[4\]"),
+    (lambda m: {**m, "rng": jax.random.key(0, impl="rbg")}, r"key<fry>\[\], like= has key<rbg>\[\]"),
+    (lambda m: {**m, "old": jax.random.key(0)}, r"uint32\[2\], like= has key<fry>\[\]"),
+    (lambda m: {**m, "rng": jax.random.PRNGKey(0)}, r"key<fry>\[\], like= has uint32\[2\]"),
+])
+def test_typed_prng_keys_are_checked_against_like(tmp_path, change, message):
+    model = keyed(0)
+    save(tmp_path / "k.npz", optim.setup(optim.Adam(0.1), model), model)
+    like = change(keyed(0))
+    with pytest.raises(ValueError, match=r"does not match like=: model leaf '\w+': the checkpoint has " + message):
+        load(tmp_path / "k.npz", like=(optim.setup(optim.Adam(0.1), like), like))
+
+
+def test_prng_key_of_an_unnamed_implementation_is_refused_at_save(tmp_path):
+    from jax.extend.random import define_prng_impl
+
+    impl = define_prng_impl(key_shape=(2,), seed=lambda s: jnp.zeros(2, jnp.uint32),
+                            split=lambda k, shape: jnp.zeros((*shape, 2), jnp.uint32),
+                            random_bits=lambda k, bits, shape: jnp.zeros(shape, jnp.uint32),
+                            fold_in=lambda k, d: k, name="mine", tag="mine")
+    model = {"w": jnp.ones(3), "sub": {"rng": jax.random.key(0, impl=impl)}}
+    with pytest.raises(ValueError, match=r"save: model leaf 'sub.rng' is a PRNG key of implementation 'mine', "
+                                         r"which load could not rebuild"):
+        save(tmp_path / "m.npz", optim.setup(optim.Adam(0.1), model), model)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_with_colliding_dotted_names_is_refused_by_save(tmp_path):
+    model = {"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}
+    state = optim.setup(optim.Adam(), model)
+    with pytest.raises(ValueError, match="share the dotted path 'a.b'.*rename a key"):
+        optim.save(tmp_path / "c.npz", state, model)
+    assert not (tmp_path / "c.npz").exists()
