@@ -29,7 +29,8 @@ the step `+updates`: a stage of an optim chain.
 `to_optax(rule)` is `init(params) = optim.setup(rule, params)` and `update(grads, state, params)` = one
 `optim.update`, returning `new_params - params` as the updates, so `optax.apply_updates` gives optim's result.
 Ties are found by identity in `init` (call it outside `jit`, as optax loops do) and kept in the state's static
-tie map, so the update is tie-correct inside the user's `jax.jit` too.
+tie map, so the update is tie-correct inside the user's `jax.jit` too. Flax NNX Variables given to `init` (what
+`nnx.Optimizer` passes) count as their values; one Variable object at several positions is one tied parameter.
 """
 
 from __future__ import annotations
@@ -641,6 +642,48 @@ def _delta(new: Any, old: Any) -> Any:
     return None
 
 
+def _nnx_variable_type() -> type | None:
+    """`flax.nnx.Variable` if flax's NNX is already imported (no Variable can exist otherwise), else None."""
+    import sys
+
+    mod = sys.modules.get("flax.nnx")
+    return getattr(mod, "Variable", None) if mod is not None else None
+
+
+def _unwrap_variables(params: PyTree) -> PyTree:
+    """`params` with every Flax NNX `Variable` (`nnx.Param`, ...) replaced by its value, as `nnx.as_pure` does.
+
+    `nnx.Optimizer` calls `tx.init(nnx.state(model, wrt))`: a `nnx.State` of Variables, whose pytree node is the
+    Variable (key `value`), while `tx.update` gets `nnx.as_pure` trees of plain arrays. Unwrapped, both have the
+    same structure and paths. One Variable object at several positions (a shared parameter, in a tree built by
+    hand; `nnx.state` in graph mode already lists a shared Variable once) is read once, so its positions hold one
+    array object and `setup` ties them."""
+    variable = _nnx_variable_type()
+    if variable is None:
+        return params
+    from flax.nnx import variablelib
+
+    is_ref = getattr(variablelib, "is_array_ref", lambda x: False)
+    wrapped = lambda x: isinstance(x, variable) or is_ref(x)
+    if not any(wrapped(x) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, variable))):
+        return params                         # nothing of nnx's: the tree itself, untouched
+    seen: dict[int, tuple[Any, Any]] = {}     # id(Variable or ref) -> (the object, kept alive; its value)
+
+    def value(x: Any) -> Any:
+        if not wrapped(x):
+            return x
+        if id(x) not in seen:
+            if isinstance(x, variable):            # its raw value, as nnx.as_pure reads it (no get-hooks)
+                raw = x.get_raw_value() if hasattr(x, "get_raw_value") else x.raw_value
+                v = _unwrap_variables(raw)
+            else:                                  # a mutable array reference: its current value
+                v = x[...]
+            seen[id(x)] = (x, v)
+        return seen[id(x)][1]
+
+    return jax.tree.map(value, params, is_leaf=lambda x: isinstance(x, variable))
+
+
 def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     """An `optax.GradientTransformationExtraArgs` that runs the optim `rule`, for an existing optax loop:
 
@@ -657,13 +700,19 @@ def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     non-numbers). Keyword extra arguments go to the `from_optax` rules inside `rule` for that call (names in
     their `tree_args` as per-parameter trees); other transformations ignore them, as in optax.
     Use it as the whole optimiser or the last stage of an `optax.chain`: its output is a parameter change.
+
+    Flax NNX: `nnx.Optimizer(model, optim.to_optax(rule), wrt=nnx.Param)` and `optimizer.update(model, grads)`
+    work as with any optax transformation. `init` takes Variables (`nnx.Param`, a `nnx.State` of them) as their
+    values, with the paths `tx.update` later sees in `nnx.as_pure` trees (`l1.kernel`, no `.value`). A Variable
+    shared by two modules is one parameter: `nnx.state` lists it once (and `nnx.grad` sums its uses); one Variable
+    object at several positions of a tree given to `init` is a tie, like a repeated array.
     """
     optax = _optax()
     if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))) and not callable(rule):
         raise TypeError(f"to_optax: {rule!r} is not an optim rule (it needs init and apply)")
 
     def init_fn(params: PyTree) -> State:
-        return setup(rule, params, ties=ties)
+        return setup(rule, _unwrap_variables(params), ties=ties)
 
     def update_fn(updates: PyTree, state: State, params: PyTree | None = None, **extra: Any):
         if params is None:
