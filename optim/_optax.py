@@ -558,6 +558,8 @@ def from_optax(tx: Any, /, *, extra_args: dict | None = None, tree_args: tuple[s
         field = "lr" if key == "learning_rate" else k
         if field in {f.name for f in dataclasses.fields(FromOptax)}:
             raise TypeError(f"from_optax: the factory argument {k!r} clashes with a field of the rule")
+        if key == "learning_rate" and isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            v = float(v)   # a learning rate is a float however it is written: adjustable, never truncated
         if _is_hyper(v):
             hyper.append((field, key, v))
         else:

@@ -206,3 +206,12 @@ def test_freeze_exact_path_means_that_path_only():
     assert [p for p, leaf in optim.freeze(state, "w[0-9]").items() if leaf.frozen] == ["w0"]
     assert [p for p, leaf in optim.freeze(state, "enc").items() if leaf.frozen] == ["enc.a"]
     assert [p for p, leaf in optim.freeze(state, "enc*").items() if leaf.frozen] == ["enc.a", "enc_b"]
+
+
+def test_from_optax_factory_int_learning_rate_is_adjustable():
+    import optax
+
+    m = {"w": jnp.array([1.0, 1.0])}
+    state = optim.adjust(optim.setup(optim.from_optax(optax.sgd, lr=1), m), lr=0.25)
+    _, new = optim.update(state, m, {"w": jnp.ones(2)})
+    np.testing.assert_allclose(new["w"], [0.75, 0.75], rtol=1e-6)
