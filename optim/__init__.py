@@ -15,14 +15,16 @@ from ._checkpoint import load, save
 from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
 from ._rules import (
-    AccumGrad, AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGlobalNorm, ClipGrad, ClipNorm,
-    Descent, Gated, Lion, MixedPrecision, Momentum, Muon, NAdam, Nesterov, OAdam, OptimiserChain, RAdam, Replace,
-    RMSProp, Rprop, Rule, SignDecay, SkipNonFinite, WeightDecay, apply_all, apply_step, chain,
+    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lion, Momentum, Muon,
+    NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, SignDecay, WeightDecay,
 )
 from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
-from ._state import Layout, Leaf, PathError, State, setup
+from ._setup import setup
+from ._state import Layout, Leaf, PathError, State
+from ._step import Gated, Replace, Rule, apply_all, apply_step
 from ._surgery import donatable, graft, reset, retie, subtree
 from ._update import global_norm, tie_grads, update
+from ._wrappers import AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain, SkipNonFinite, chain
 
 __version__ = "0.1.0"
 

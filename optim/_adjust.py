@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._rules import Rule
+from ._step import Rule
 from ._schedules import Schedule
-from ._state import PathError, State, canonical_numbers, unwrap, with_frozen
+from ._hyper import canonical_numbers
+from ._state import PathError, State, unwrap, with_frozen
 from ._tree import show
 
 _MISSING = object()
@@ -162,15 +163,15 @@ def _swap(rule: Any, changes: dict) -> Any:
 def freeze(state: State, *patterns: str) -> State:
     """Freeze the parameters whose dotted path (any tied member) equals, lies below, or fnmatch-matches a
     pattern; with no pattern, every parameter. A frozen parameter gets no step and its state is kept."""
-    return with_frozen(state, _select(state, patterns, "freeze"), True)
+    return with_frozen(state, select(state, patterns, "freeze"), True)
 
 
 def thaw(state: State, *patterns: str) -> State:
     """Undo `freeze` for the matching parameters (all of them with no pattern)."""
-    return with_frozen(state, _select(state, patterns, "thaw"), False)
+    return with_frozen(state, select(state, patterns, "thaw"), False)
 
 
-def _select(state: State, patterns: tuple[str, ...], who: str) -> list[int]:
+def select(state: State, patterns: tuple[str, ...], who: str) -> list[int]:
     if not isinstance(state, State):
         raise TypeError(f"{who}: expected the State from optim.setup, got {type(state).__name__} "
                         "(freeze the optimiser state, not the model)")

@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._state import Layout, Param, PathError, State, unwrap
-from ._tree import PyTree, show, structure_diff
-from ._update import _paths as _leaf_paths
+from ._tree import PyTree, flatten, show, structure_diff
 
 __all__ = ["save", "load"]
 
@@ -111,7 +110,7 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
         leaves, treedef = jax.tree_util.tree_flatten(model)
         if treedef != lay.treedef:
             raise ValueError("save: the model does not have the structure this state was set up for: "
-                             + structure_diff(paths, _leaf_paths(model)))
+                             + structure_diff(paths, flatten(model)[0]))
         entries: list = [None] * len(leaves)
         for p in lay.params:        # each tie group once: its members point at the canonical array
             entry = writer.leaf(leaves[p.canonical], f"model leaf {show(paths[p.canonical])}")
@@ -306,7 +305,7 @@ def _split_like(like: Any) -> tuple[State, Any]:
         state, model = like
         if jax.tree.structure(model) != state.layout.treedef:
             raise ValueError("load: like=(state, model): the model does not have the structure the state was "
-                             "set up for: " + structure_diff(list(state.layout.paths), _leaf_paths(model)))
+                             "set up for: " + structure_diff(list(state.layout.paths), flatten(model)[0]))
         return state, model
     raise TypeError("load: like= takes the State from optim.setup on a freshly built model, or (state, model); "
                     f"got {type(like).__name__}")

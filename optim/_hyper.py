@@ -11,14 +11,12 @@ a `ValueError`, both naming the rule and the argument.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# What a hyperparameter field holds: a number, an array (a tracer under jit) or a schedule.
-Hyper = Union[float, jax.Array, "Schedule"]  # noqa: F821 (Schedule: optim._schedules, which imports this module)
 
 # Range checks, by name: (test on a float array, how the message says it).
 RANGES = {
@@ -121,3 +119,18 @@ def length(owner: str, name: str, v: Any, positive: bool) -> Any:
             why = "> 0 (the schedule divides by it)" if positive else ">= 0"
             raise ValueError(f"{owner}: {name} must be {why} and finite, got {v!r}")
     return v
+
+
+def canonical_numbers(tree: Any) -> Any:
+    """Python and numpy numbers in `tree` as strong-typed device scalars (int32, or the default float)."""
+
+    def conv(v):
+        if isinstance(v, (bool, np.bool_)):
+            return v
+        if isinstance(v, (int, np.integer)):
+            return jnp.asarray(v, jnp.int32)
+        if isinstance(v, (float, np.floating)) or (isinstance(v, np.ndarray) and v.ndim == 0):
+            return jnp.asarray(v, jax.dtypes.canonicalize_dtype(jnp.float64))
+        return v
+
+    return jax.tree.map(conv, tree)

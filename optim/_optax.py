@@ -45,9 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._rules import Rule
+from ._step import Rule
 from ._schedules import Schedule
-from ._state import State, setup
+from ._setup import setup
+from ._state import State
 from ._tree import PyTree, fmt_value, is_trainable
 from ._update import update
 

@@ -7,7 +7,7 @@ Any hyperparameter of any rule may be a schedule.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,10 @@ class Schedule:
 
     def __repr__(self) -> str:
         return struct_repr(self)
+
+
+# What a hyperparameter field holds: a number, an array (a tracer under jit) or a schedule.
+Hyper = Union[float, jax.Array, Schedule]
 
 
 def _t(step: Any, like: Any) -> jax.Array:

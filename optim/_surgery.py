@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._state import Layout, Param, PathError, State, _reads_nothing, init_group, unwrap
+from ._adjust import select
+from ._stack import init_group, reads_nothing
+from ._state import Layout, Param, PathError, State, unwrap
 from ._tree import PyTree, _key_name, show
 from ._update import flatten_like
 
@@ -27,16 +29,14 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
     >>> optim.reset(s, "a")["a"].state, optim.reset(s, "a")["b"].state
     (Array([0., 0.], dtype=float32), Array([0.1, 0.1], dtype=float32))
     """
-    from ._adjust import _select
-
-    chosen = _select(state, patterns, "reset")
+    chosen = select(state, patterns, "reset")
     lay = state.layout
     leaves = lay.treedef.flatten_up_to(model) if model is not None else None
     new = {}
     for u in sorted(set(chosen)):
         p = lay.params[u]
         rule = unwrap(state.rules[p.rule])
-        if leaves is None and not _reads_nothing(rule.init, jnp.zeros(p.shape, p.dtype)):
+        if leaves is None and not reads_nothing(rule.init, jnp.zeros(p.shape, p.dtype)):
             raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
                              "value; pass model=")
         x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)

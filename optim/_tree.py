@@ -61,6 +61,11 @@ def is_trainable(x: Any) -> bool:
     return ok
 
 
+def canonical_dtype(d: Any) -> np.dtype:
+    """The dtype JAX gives an array of dtype `d`: numpy float64 is float32 unless x64 is enabled."""
+    return jax.dtypes.canonicalize_dtype(d)
+
+
 def describe(x: Any) -> str:
     """A short description of a leaf for error messages and reprs."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):

@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._rules import _joint_norm, apply_all, apply_step, step_row
 from ._schedules import resolve
-from ._state import Layout, State, stack_arrays, unwrap
-from ._tree import PyTree, describe, dotted, show, structure_diff
+from ._stack import put_rows, stack_arrays, take_rows
+from ._state import Layout, State, unwrap
+from ._step import apply_all, apply_step, step_row
+from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
+from ._wrappers import joint_norm as _joint_norm
 
 
 def _take(seq, idx: tuple[int, ...]) -> tuple:
@@ -76,6 +78,18 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     any pure function. `donate=True` lets the eager call reuse the old state's and parameters' buffers (the
     caller must not use them afterwards). `return_grads=True` also returns the summed gradients (see
     `tie_grads`) as a third element.
+
+    >>> import jax, jax.numpy as jnp, optim
+    >>> w = jnp.array([1.0, 2.0])
+    >>> model = {"emb": w, "head": w, "b": jnp.zeros(2)}    # emb and head: one parameter
+    >>> state = optim.setup(optim.Descent(0.25), model)
+    >>> grads = {"emb": jnp.ones(2), "head": jnp.ones(2), "b": None}   # None: no step for b
+    >>> state, model = optim.update(state, model, grads)
+    >>> model["emb"], model["emb"] is model["head"], model["b"]       # the tie's gradients are summed
+    (Array([0.5, 1.5], dtype=float32), True, Array([0., 0.], dtype=float32))
+    >>> state, model = jax.jit(optim.update)(state, model, grads)     # the same inside jit
+    >>> model["head"]
+    Array([0., 1.], dtype=float32)
     """
     prog, leaves, treedef, flat = _plan(state, model, (grads, *more_grads), "update")
     gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
@@ -202,12 +216,8 @@ def flatten_like(lay: Layout, model: PyTree, who: str) -> tuple[list, Any]:
     leaves, treedef = jax.tree_util.tree_flatten(model)
     if treedef != lay.treedef:
         raise ValueError(f"{who}: the model does not have the structure this state was set up for: "
-                         + structure_diff(list(lay.paths), _paths(model)))
+                         + structure_diff(list(lay.paths), flatten(model)[0]))
     return leaves, treedef
-
-
-def _paths(tree: PyTree) -> list[str]:
-    return [dotted(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _grad_map(lay: Layout, grads: PyTree, which: str) -> tuple[dict[int, int], list[str]]:
@@ -359,7 +369,7 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
         olds, xs, dxs = [], [], []
         for j in js:
             rows, gi, _ = prog.group_plan[j]
-            olds.append(_rows(stacks[j], rows, len(lay.groups[prog.step_groups[j]])))
+            olds.append(take_rows(stacks[j], rows, len(lay.groups[prog.step_groups[j]])))
             xs.append(stack_arrays([params[i] for i in gi]))
             # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
             dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
@@ -367,7 +377,7 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
         for j, old, st, d in zip(js, olds, sts, steps):
             rows, gi, ai = prog.group_plan[j]
             n = len(lay.groups[prog.step_groups[j]])
-            new_stacks[j] = _set_rows(stacks[j], rows, _same_dtypes(st, old), n)
+            new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, old), n)
             for m, (i, a) in enumerate(zip(gi, ai)):
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
                 # update into one kernel per leaf that writes the new parameter directly.
@@ -380,28 +390,6 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
 
 def _conj(g: jax.Array) -> jax.Array:
     return jnp.conj(g) if jnp.iscomplexobj(g) else g
-
-
-def _row_index(rows: tuple[int, ...]) -> Any:
-    """An index for the given rows of a stack: a slice when they are contiguous (no gather), else an array."""
-    if rows == tuple(range(rows[0], rows[-1] + 1)):
-        return slice(rows[0], rows[-1] + 1)
-    return jnp.asarray(rows, jnp.int32)
-
-
-def _rows(tree: Any, rows: tuple[int, ...], n: int) -> Any:
-    """The given rows of every array of a stacked state (all of it when every row steps)."""
-    if len(rows) == n:
-        return tree
-    ix = _row_index(rows)
-    return jax.tree.map(lambda a: a[ix], tree)
-
-
-def _set_rows(tree: Any, rows: tuple[int, ...], new: Any, n: int) -> Any:
-    if len(rows) == n:
-        return new
-    ix = _row_index(rows)
-    return jax.tree.map(lambda a, b: jnp.asarray(a).at[ix].set(b), tree, new)
 
 
 def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:

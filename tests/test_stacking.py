@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import optim
-import optim._state as optim_state
-from optim._rules import apply_all, apply_step
+import optim._stack as optim_stack
+from optim._step import apply_all, apply_step
 
 from test_rules import CASES
 
@@ -37,7 +37,7 @@ def model():
         leaves[f"v{i}"] = rng.standard_normal(7).astype(np.float32)
     for i in range(2):
         leaves[f"s{i}"] = np.float32(rng.standard_normal())
-    leaves["big"] = rng.standard_normal(optim_state.STACK_MAX_SIZE + 5).astype(np.float32)
+    leaves["big"] = rng.standard_normal(optim_stack.STACK_MAX_SIZE + 5).astype(np.float32)
     return {k: jnp.asarray(v) for k, v in leaves.items()}
 
 
@@ -131,10 +131,10 @@ def test_muon_stacked_equals_per_leaf():
 
 
 def test_groups_follow_rule_shape_dtype_and_size(monkeypatch):
-    monkeypatch.setattr(optim_state, "STACK_MAX_MEMBERS", 2)
+    monkeypatch.setattr(optim_stack, "STACK_MAX_MEMBERS", 2)
     m = {"a": jnp.ones(3), "b": jnp.ones(3), "c": jnp.ones(3), "d": jnp.ones(3, jnp.bfloat16),
          "e": jnp.ones(4)}
-    m["big"], m["big2"] = jnp.ones(optim_state.STACK_MAX_SIZE + 1), jnp.ones(optim_state.STACK_MAX_SIZE + 1)
+    m["big"], m["big2"] = jnp.ones(optim_stack.STACK_MAX_SIZE + 1), jnp.ones(optim_stack.STACK_MAX_SIZE + 1)
     state = optim.setup(lambda path, x: optim.Adam() if path != "e" else optim.Momentum(), m)
     groups = [[state.layout.paths[state.layout.params[u].canonical] for u in g] for g in state.layout.groups]
     assert groups == [["a", "b"], ["big"], ["big2"], ["c"], ["d"], ["e"]]
@@ -160,7 +160,7 @@ def test_state_getitem_slices_through_batch_axes():
 def test_setup_of_many_small_leaves_stores_few_arrays():
     m = {f"l{i}": jnp.zeros((4, 4)) for i in range(200)}
     state = optim.setup(optim.Adam(), m)
-    assert len(state.stacks) == -(-200 // optim_state.STACK_MAX_MEMBERS)
+    assert len(state.stacks) == -(-200 // optim_stack.STACK_MAX_MEMBERS)
     assert len(jax.tree.leaves(state)) < 20
     # each group's fresh state is one read-only host buffer, no copy per member
     mu = state.stacks[0][0]

@@ -1,0 +1,206 @@
+"""`setup`: find a model's trainable leaves and ties, choose each parameter's rule and build the initial `State`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._hyper import canonical_numbers
+from ._stack import init_group, placement
+from ._state import Layout, Param, State, _fname, _Static, leaf_paths, unwrap
+from ._ties import tie_groups, tie_positions
+from ._tree import PyTree, canonical_dtype, describe, is_trainable, show, unique_index
+
+
+def _canonical_hyper(rule: Any) -> Any:
+    """Hyperparameters as strong-typed device scalars, so every later value (from `adjust`) has the same
+    abstract type and a jitted step never retraces. A rule that is not a pytree is kept as static data."""
+    if jax.tree.leaves(rule) == [rule]:
+        return _Static(rule)
+    return canonical_numbers(rule)
+
+
+def _is_rule(rule: Any) -> bool:
+    return callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:   # rules holding arrays do not compare; treat them as distinct
+        return False
+
+
+RuleSpec = Any  # a rule, or a function (path, array) -> rule
+
+
+def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,
+          like: State | None = None) -> State:
+    """Initialise optimiser state for every trainable leaf of `model`.
+
+    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group).
+    `ties` adds explicit ones: `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at
+    `path` is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through `f`,
+    and after each step it is recomputed as `f(new canonical)`). Trainable leaves are jax / numpy arrays of a
+    floating or complex dtype; everything else is carried through `update` untouched.
+
+    `rule` may be a function `(path, array) -> rule` choosing a rule per parameter (all members of a tie group
+    must get the same rule). `like=old_state` keeps the optimiser state of every parameter whose canonical path,
+    shape, dtype and state structure still match, for a model that grew or shrank (new parameters start fresh).
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.ones(3)
+    >>> state = optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "step": 0})
+    >>> state.ties()
+    {'emb': ('head',)}
+    >>> state = optim.setup(lambda path, x: optim.Muon(0.02) if x.ndim == 2 else optim.AdamW(3e-4),
+    ...                     {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+    >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
+    ('Muon', 'AdamW')
+    """
+    if not _is_rule(rule) and not callable(rule):
+        raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
+    if like is not None and not isinstance(like, State):
+        raise TypeError(f"setup: like= takes a State, got {type(like).__name__}")
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    paths = _LazyPaths(treedef)
+    trainable = [is_trainable(x) for x in leaves]
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if traced:
+        warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
+                      "which jit does not preserve. Call setup outside jit.", stacklevel=2)
+    _check_ties_form(ties)
+    if ties:
+        seen: set = set()
+        clash = {p for p in paths if p in seen or seen.add(p)}
+        for p in [q for k, v in ties.items() for q in (k, v if isinstance(v, str) else v[0])]:
+            if p in clash:
+                raise ValueError(f"ties: {show(p)} names several leaves (the model's dotted names collide, e.g. "
+                                 "a key 'a.b' beside a subtree 'a' with key 'b'); rename a key to tie it")
+    plain = {k: v for k, v in (ties or {}).items() if isinstance(v, str)}
+    groups = tie_groups(paths, leaves, trainable, plain)
+    transforms = _transformed(ties or {}, groups, paths, leaves, trainable)
+    if not groups:
+        warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
+                      stacklevel=2)
+    rules, rule_of = _choose_rules(rule, groups, paths, leaves)
+    params = tuple(Param(c, members, tuple(leaves[c].shape), canonical_dtype(leaves[c].dtype), rule_of[c],
+                         transforms.get(c, ()), placement(leaves[c])) for c, members in groups.items())
+    layout = Layout(treedef, params, (False,) * len(params))
+    if paths.computed is not None:
+        layout.__dict__["paths"] = paths.computed
+    rules = tuple(_canonical_hyper(r) for r in rules)
+    cache: dict = {}
+    stacks = tuple(init_group(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
+                              lambda g=g: paths[params[g[0]].canonical], cache,
+                              local=not traced and params[g[0]].place is None) for g in layout.groups)
+    state = State(layout, rules, stacks, jnp.zeros((), jnp.int32))
+    if like is not None:
+        state = _keep_matching(like, state)
+    return state
+
+
+def _check_ties_form(ties: Any) -> None:
+    """`ties=` is `{path: canonical_path}` or `{path: (canonical_path, f)}`: refuse anything else up front."""
+    if ties is None:
+        return
+    if not isinstance(ties, Mapping):
+        raise TypeError(f"setup: ties= takes a dict {{path: canonical_path}}, e.g. ties={{'head.w': 'emb.w'}}; got "
+                        f"{type(ties).__name__} {ties!r}" + (" (for a list of pairs, write ties=dict(pairs))"
+                                                             if isinstance(ties, (list, tuple)) else ""))
+    for k, v in ties.items():
+        if not isinstance(k, str):
+            raise TypeError(f"setup: ties= keys are dotted paths (str), got {type(k).__name__} {k!r}; "
+                            "write ties={'head.w': 'emb.w'}")
+        if not (isinstance(v, str) or (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                                       and callable(v[1]))):
+            raise TypeError(f"setup: ties[{k!r}] must be a canonical path (str) or (path, function), got {v!r}")
+
+
+def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tuple[list, dict]:
+    if _is_rule(rule):
+        return [rule], {c: 0 for c in groups}
+    rules: list = []
+    rule_of = {}
+    for c, members in groups.items():
+        chosen = [rule(paths[i], leaves[i]) for i in members]
+        for i, r in zip(members, chosen):
+            if not _is_rule(r):
+                raise TypeError(f"setup: the rule function returned {r!r} for {show(paths[i])}, which is not a rule")
+            if not _same(r, chosen[0]):
+                raise ValueError(f"setup: {show(paths[c])} and {show(paths[i])} are tied (one parameter) but the rule "
+                                 f"function gives them different rules: {chosen[0]!r} and {r!r}")
+        k = next((k for k, r in enumerate(rules) if _same(r, chosen[0])), None)
+        if k is None:
+            k = len(rules)
+            rules.append(chosen[0])
+        rule_of[c] = k
+    return rules, rule_of
+
+
+def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list, trainable: list) -> dict:
+    """Explicit ties through a function: `{path: (canonical_path, f)}` -> {canonical: ((pos, f, shape, dtype),)}."""
+    out: dict = {}
+    if not any(not isinstance(v, str) for v in ties.values()):
+        return out
+    index = unique_index(paths)
+    canon_of = {i: c for c, members in groups.items() for i in members}
+    for src, spec in ties.items():
+        if isinstance(spec, str):
+            continue
+        if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and callable(spec[1])):
+            raise TypeError(f"ties[{src!r}]: expected a path or (path, function), got {spec!r}")
+        dst, f = spec
+        i, j = tie_positions(index, leaves, trainable, src, dst)
+        c = canon_of[j]
+        if len(groups.get(canon_of[i], ())) > 1 or canon_of[i] in out or i == c:
+            raise ValueError(f"ties: {show(src)} is already tied to other positions; a transformed tie needs a "
+                             "leaf of its own")
+        want = jax.eval_shape(f, jax.ShapeDtypeStruct(leaves[c].shape, leaves[c].dtype))
+        got = leaves[i]
+        if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
+            raise ValueError(f"ties: {show(src)} is {describe(got)} but {_fname(f)}({show(dst)}) is "
+                             f"{jnp.dtype(want.dtype).name}{list(want.shape)}")
+        out.setdefault(c, []).append((i, f, tuple(got.shape), canonical_dtype(got.dtype)))
+        del groups[canon_of[i]]
+    return {c: tuple(v) for c, v in out.items()}
+
+
+def _keep_matching(old: State, fresh: State) -> State:
+    """State surgery: reuse `old`'s state where the canonical path, shape, dtype and state structure match."""
+    layout, kept = fresh.layout, {}
+    for u, p in enumerate(layout.params):
+        path = layout.paths[p.canonical]
+        if path not in old:
+            continue
+        v = old.layout.param(path)
+        q = old.layout.params[v]
+        was, new = old.param_state(v), fresh.param_state(u)
+        same_tree = jax.tree.structure(was) == jax.tree.structure(new)
+        if q.shape == p.shape and q.dtype == p.dtype and same_tree and all(
+                np.shape(a) == np.shape(b) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+                for a, b in zip(jax.tree.leaves(was), jax.tree.leaves(new))):
+            kept[u] = was
+    return fresh.with_param_states(kept) if kept else fresh
+
+
+class _LazyPaths:
+    """Dotted paths of a treedef's leaves, computed (and checked for duplicates) on first use."""
+
+    def __init__(self, treedef):
+        self.treedef, self.computed = treedef, None
+
+    def __getitem__(self, i):
+        if self.computed is None:
+            self.computed = tuple(leaf_paths(self.treedef))
+        return self.computed[i]
+
+    def __iter__(self):
+        return iter([self[i] for i in range(self.treedef.num_leaves)])
+

@@ -1,0 +1,281 @@
+"""Rules made of rules, and rules that look at the whole model.
+
+`OptimiserChain` (`chain`) runs rules in sequence, `AccumGrad` turns `n` calls into one step, `MixedPrecision`
+keeps a high-precision master copy, `ClipGlobalNorm` and `SkipNonFinite` look across all the parameters that
+share the rule. Those that look across parameters implement `apply_tree` over stacks of parameters (see
+`optim._step.apply_all`); their per-parameter `apply` is `apply_one`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._schedules import Hyper
+from ._rules import _clip_factor
+from ._step import Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute
+
+__all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
+           "joint_norm"]
+
+
+def _gate(new: Any, old: Any, ok: Any) -> Any:
+    """`new` where `ok` (no gate: `None`), else `old`, leaf by leaf: the state of a stage after a `Gated` step."""
+    return new if ok is None else jax.tree.map(lambda a, b: _where(ok, a, b), new, old)
+
+
+# ----------------------------------------------------------------------------------------------- composition
+class OptimiserChain(Rule):
+    """Apply rules in sequence, each to the previous one's step: `OptimiserChain(ClipGrad(1), Adam())`.
+
+    A stage that returns no step (`None`) stops the chain; a `Gated` step (from `AccumGrad`) makes every later
+    stage keep its state where the gate is closed, without branching. An empty chain acts like `Descent(1)`.
+    The chain runs stage by stage across all parameters, so a stage that looks at the whole model
+    (`ClipGlobalNorm`) sees the steps of the stages before it. `MixedPrecision` may not be a stage (it wraps
+    the whole chain); `adjust` reaches into the stages.
+
+    Args:
+        *rules: the stages, in order (or one list or tuple of them); each needs `init` and `apply`.
+
+    State: a tuple with each stage's state.
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.OptimiserChain(optim.ClipGrad(0.5), optim.Momentum(0.1)), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x, state[""].state
+    (Array([0.95, 2.05], dtype=float32), (None, Array([ 0.05, -0.05], dtype=float32)))
+    """
+
+    rules: tuple = ()
+
+    def __init__(self, *rules: Any):
+        if len(rules) == 1 and isinstance(rules[0], (list, tuple)):
+            rules = tuple(rules[0])
+        for r in rules:
+            if isinstance(r, MixedPrecision):
+                raise TypeError("MixedPrecision must wrap the whole chain, not sit inside it: "
+                                "MixedPrecision(jnp.float32, OptimiserChain(...))")
+            if not (hasattr(r, "init") and hasattr(r, "apply")):
+                raise TypeError(f"OptimiserChain: {r!r} is not a rule (it needs init and apply)")
+        object.__setattr__(self, "rules", tuple(rules))
+
+    def init(self, x):
+        return tuple(r.init(x) for r in self.rules)
+
+    def apply(self, states, x, dx, *dxs):
+        return apply_one(self, states, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        n = len(xs)
+        new = [list(s) for s in states]
+        steps = [d[0] for d in dxs]
+        oks: list = [None] * n
+        for k, rule in enumerate(self.rules):
+            live = [i for i in range(n) if steps[i] is not None]    # stages after a None step are skipped
+            if not live:
+                break
+            got_states, got_steps = apply_all(rule, [states[i][k] for i in live], [xs[i] for i in live],
+                                              [(steps[i], *dxs[i][1:]) for i in live])
+            for i, st, step in zip(live, got_states, got_steps):
+                new[i][k] = _gate(st, states[i][k], oks[i])
+                if isinstance(step, Gated):
+                    oks[i] = step.ok if oks[i] is None else oks[i] & step.ok
+                    step = step.step
+                if isinstance(step, Replace):
+                    raise TypeError(f"{type(rule).__name__} replaces the parameter and must be the outermost rule")
+                steps[i] = step
+        out = [Gated(st, ok) if st is not None and ok is not None else st for st, ok in zip(steps, oks)]
+        return [tuple(s) for s in new], out
+
+    def __repr__(self):
+        return "OptimiserChain(" + ", ".join(map(repr, self.rules)) + ")"
+
+
+def chain(*rules: Any) -> OptimiserChain:
+    """Alias of `OptimiserChain(*rules)`.
+
+    >>> import optim
+    >>> optim.chain(optim.ClipNorm(1.0), optim.Adam(1e-3))
+    OptimiserChain(ClipNorm(max_norm=1, p=2), Adam(lr=0.001, beta=(0.9, 0.999), eps=1e-08))
+    """
+    return OptimiserChain(*rules)
+
+
+class AccumGrad(Rule):
+    """Accumulate `g / n` over `n` calls and return the sum on the n-th, no step on the others (branch-free: a
+    `Gated` step, so the later stages of a chain keep their state on the other calls).
+
+    Put it first in a chain: `OptimiserChain(AccumGrad(4), Adam())` steps Adam once every 4 calls, with the
+    mean of the 4 gradients.
+
+    Args:
+        n: the number of calls per step, default 1, an integer >= 1 (adjustable; stays an integer).
+
+    State: `(acc, k)`: the mean so far (parameter dtype) and the number of the current call in the cycle
+    (int32, 1 to n).
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.chain(optim.AccumGrad(2), optim.Descent(1.0)), x)
+    >>> state, x = optim.update(state, x, jnp.array([1.0, 1.0]))
+    >>> x              # first call: no step
+    Array([1., 2.], dtype=float32)
+    >>> state, x = optim.update(state, x, jnp.array([3.0, 3.0]))
+    >>> x              # second call: a step with the mean gradient, 2
+    Array([-1.,  0.], dtype=float32)
+    """
+
+    n: int | jax.Array = 1
+    _counts = ("n",)
+
+    def init(self, x):
+        return jnp.zeros_like(x), jnp.ones((), jnp.int32)
+
+    def apply(self, state, x, dx, *dxs):
+        acc, k = state
+        n = jnp.asarray(self.n, jnp.int32)
+        acc = jnp.where(k == 1, dx / n.astype(x.dtype), acc + dx / n.astype(x.dtype))
+        done = k >= n
+        return (acc, jnp.where(done, 1, k + 1)), Gated(acc, done)
+
+
+class MixedPrecision(Rule):
+    """Run `rule` on a high-precision master copy kept in the state, then write it back rounded to `x`'s dtype
+    (a `Replace` step): `MixedPrecision(jnp.float32, Adam())` for float16 / bfloat16 parameters. It must wrap
+    the whole chain. Gradients are cast to `dtype` before `rule` sees them.
+
+    Args:
+        dtype: the master copy's floating dtype, default float32 (structural); may be omitted:
+            `MixedPrecision(rule)`.
+        rule: the rule to run on the master copy (required).
+
+    State: `(master, inner)`: the master copy of the parameter (in `dtype`) and `rule`'s state for it.
+
+    Reference: P. Micikevicius et al., "Mixed Precision Training", 2017, https://arxiv.org/abs/1710.03740
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0], jnp.bfloat16)
+    >>> state = optim.setup(optim.MixedPrecision(optim.Descent(0.001)), x)
+    >>> for _ in range(10):
+    ...     state, x = optim.update(state, x, jnp.ones(2, jnp.bfloat16))
+    >>> x              # each step alone rounds away in bfloat16; the float32 master copy is at [0.99, 1.99]
+    Array([0.988281, 1.99219], dtype=bfloat16)
+    """
+
+    dtype: Any = jnp.float32
+    rule: Any = None
+    _static = ("dtype",)
+
+    def __init__(self, dtype: Any = jnp.float32, rule: Any = None):
+        if rule is None and hasattr(dtype, "apply"):
+            dtype, rule = jnp.float32, dtype
+        if rule is None:
+            raise TypeError("MixedPrecision(dtype, rule) needs a rule")
+        if not jnp.issubdtype(jnp.dtype(dtype), jnp.inexact):
+            raise TypeError(f"MixedPrecision: {dtype!r} is not a floating dtype")
+        object.__setattr__(self, "dtype", jnp.dtype(dtype))
+        object.__setattr__(self, "rule", rule)
+
+    def init(self, x):
+        xt = x.astype(self.dtype)
+        return xt, self.rule.init(xt)
+
+    def apply(self, state, x, dx, *dxs):
+        return apply_one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        masters = [s[0] for s in states]
+        inner, steps = apply_all(self.rule, [s[1] for s in states], masters,
+                                 [tuple(d.astype(self.dtype) for d in ds) for ds in dxs])
+        new_masters = [apply_step(m, st) for m, st in zip(masters, steps)]
+        return ([(m, st) for m, st in zip(new_masters, inner)],
+                [Replace(m.astype(x.dtype)) for m, x in zip(new_masters, xs)])
+
+
+# ----------------------------------------------------------------------------------------------- whole-model rules
+def joint_norm(dxs: list) -> jax.Array:
+    """The 2-norm of several arrays taken together, accumulated in float32 or wider.
+
+    >>> import jax.numpy as jnp
+    >>> from optim._wrappers import joint_norm
+    >>> joint_norm([jnp.array([3.0]), jnp.array([4.0])])
+    Array(5., dtype=float32)
+    """
+    total = sum((jnp.sum(_abs2(d).astype(jnp.promote_types(_real(d), jnp.float32))) for d in dxs),
+                jnp.zeros((), jnp.float32))
+    return jnp.sqrt(total)
+
+
+class ClipGlobalNorm(Rule):
+    """Rescale all gradients together so that their joint 2-norm is at most `max_norm`: `g · min(ω / ‖g‖, 1)`.
+
+    The norm counts each parameter once, with the summed gradient of its tie group (optax's
+    `clip_by_global_norm` counts a tied weight once per position). Put it first in a chain:
+    `OptimiserChain(ClipGlobalNorm(1.0), AdamW(3e-4))`. Parameters with a `None` gradient do not count.
+    The norm covers the parameters that share this rule: all of them, unless `setup` was given a rule per leaf,
+    in which case each distinct rule clips its own parameters.
+
+    Args:
+        max_norm: ω, default 1.0, >= 0.
+
+    State: none (`None`).
+
+    Reference: R. Pascanu, T. Mikolov, Y. Bengio, "On the difficulty of training recurrent neural networks",
+    2013, https://arxiv.org/abs/1211.5063
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
+    >>> s = optim.setup(optim.chain(optim.ClipGlobalNorm(1.0), optim.Descent(1.0)), m)
+    >>> optim.update(s, m, {"a": jnp.array([3.0]), "b": jnp.array([4.0])})[1]
+    {'a': Array([-0.6], dtype=float32), 'b': Array([-0.8], dtype=float32)}
+    """
+
+    max_norm: Hyper = 1.0
+    _nonneg = ("max_norm",)
+
+    def apply(self, state, x, dx, *dxs):
+        return apply_one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        g = [d[0] for d in dxs]
+        norm = joint_norm(g)
+        return list(states), [d * _clip_factor(as_compute(self.max_norm, d), norm.astype(_real(d))) for d in g]
+
+
+class SkipNonFinite(Rule):
+    """Skip the whole step when any gradient has a NaN or Inf: the model and every parameter's state are left
+    as they were (branch-free), and the state counts the skipped steps. Wrap the whole rule:
+    `SkipNonFinite(OptimiserChain(ClipGlobalNorm(1.0), Adam()))`. Like `ClipGlobalNorm`, it looks at the
+    parameters that share it.
+
+    Args:
+        rule: the rule to run when every gradient is finite (required).
+
+    State: `(inner, skipped)`: `rule`'s state and the number of skipped steps (int32, starting at 0).
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.ones(2)}
+    >>> s, m2 = optim.update(optim.setup(optim.SkipNonFinite(optim.Adam()), m), m, {"a": jnp.array([1.0, jnp.nan])})
+    >>> m2["a"], int(s["a"].state[1])
+    (Array([1., 1.], dtype=float32), 1)
+    """
+
+    rule: Any = None
+
+    def __init__(self, rule: Any):
+        object.__setattr__(self, "rule", rule)
+
+    def init(self, x):
+        return self.rule.init(x), jnp.zeros((), jnp.int32)
+
+    def apply(self, state, x, dx, *dxs):
+        return apply_one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for ds in dxs for d in ds]))
+        inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
+        new = [(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32)) for st, s in zip(inner, states)]
+        return new, [None if st is None else Gated(st, ok) for st in steps]
