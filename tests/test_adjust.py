@@ -1,4 +1,5 @@
-"""adjust (Optimisers.jl F7): hyperparameters change as data, through chains and MixedPrecision."""
+"""adjust (Optimisers.jl F7): hyperparameters change as data, through chains and MixedPrecision; freeze and thaw
+(Optimisers.jl F8): frozen flags by path or pattern, tie groups frozen together."""
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optim
+from conftest import arr, close
 
 
 def hyper(x):
     return float(np.asarray(x))
 
 
-def test_f7_adjust_lr_keeps_state_and_other_fields():
+def test_adjust_lr_keeps_state_and_other_fields():
+    """Optimisers.jl F7: adjust(.2) sets lr only and keeps the state; adjust(lr=.3, rho=.7) sets both; the input
+    state is not modified."""
     m = {"g": jnp.ones((4, 3, 2), jnp.float32)}
     state = optim.setup(optim.Momentum(0.1, 0.9), m)
     s2 = optim.adjust(state, 0.2)
@@ -197,6 +201,55 @@ def test_adjust_rule_swap_must_fit_the_state():
         optim.adjust(chain, rules=(optim.ClipGrad(1.0), optim.Adam()))
 
 
+def test_from_optax_factory_int_learning_rate_is_adjustable():
+    import optax
+
+    m = {"w": jnp.array([1.0, 1.0])}
+    state = optim.adjust(optim.setup(optim.from_optax(optax.sgd, lr=1), m), lr=0.25)
+    _, new = optim.update(state, m, {"w": jnp.ones(2)})
+    np.testing.assert_allclose(new["w"], [0.75, 0.75], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- freeze / thaw
+def test_frozen_leaf_takes_no_step_until_thawed():
+    """Optimisers.jl F8: y frozen takes no step; after adjust(.2) and thaw it does; freeze(model) is refused."""
+    m = {"x": arr(1, 2), "y": (arr(3, 4), jnp.sin)}
+    state = optim.freeze(optim.setup(optim.Descent(0.1), m), "y")
+    g = {"x": arr(1, 10), "y": (arr(100, 1000), None)}
+    state, m = optim.update(state, m, g)
+    close(m["x"], [.9, 1])
+    close(m["y"][0], [3, 4])
+    state = optim.thaw(optim.adjust(state, 0.2))
+    state, m = optim.update(state, m, g)
+    close(m["y"][0], [-17, -196])
+    close(m["x"], [.7, -1])
+    with pytest.raises(TypeError, match="optimiser state, not the model"):
+        optim.freeze(m)
+
+
+def test_frozen_member_freezes_group_and_keeps_state():
+    w = arr(1, 2)
+    m = {"a": w, "b": w, "c": arr(1.0)}
+    state = optim.freeze(optim.setup(optim.Momentum(0.1), m), "b")
+    assert state["a"].frozen
+    s2, m2 = optim.update(state, m, {"a": arr(1, 1), "b": arr(1, 1), "c": arr(1.0)})
+    assert m2["a"] is w and m2["b"] is w and s2.stacks[0] is state.stacks[0]
+    close(m2["c"], [.9])
+
+
+def test_freeze_patterns_and_all():
+    m = {"enc": {"l0": arr(1.0), "l1": arr(1.0)}, "head": arr(1.0)}
+    s = optim.setup(optim.Descent(), m)
+    assert [p for p, l in optim.freeze(s, "enc").items() if l.frozen] == ["enc.l0", "enc.l1"]
+    assert [p for p, l in optim.freeze(s, "enc.*1").items() if l.frozen] == ["enc.l1"]
+    assert all(l.frozen for _, l in optim.freeze(s).items())
+    assert not any(l.frozen for _, l in optim.thaw(optim.freeze(s)).items())
+    with pytest.raises(ValueError, match="'en' matches no trainable path"):
+        optim.freeze(s, "en")        # a prefix must end at a dot
+    with pytest.raises(ValueError, match="thaw: 'decoder' matches no trainable path"):
+        optim.thaw(s, "decoder")
+
+
 def test_freeze_exact_path_means_that_path_only():
     m = {"w[0]": jnp.ones(1), "w0": jnp.ones(1), "enc": {"a": jnp.ones(1)}, "enc_b": jnp.ones(1)}
     state = optim.setup(optim.Descent(), m)
@@ -206,12 +259,3 @@ def test_freeze_exact_path_means_that_path_only():
     assert [p for p, leaf in optim.freeze(state, "w[0-9]").items() if leaf.frozen] == ["w0"]
     assert [p for p, leaf in optim.freeze(state, "enc").items() if leaf.frozen] == ["enc.a"]
     assert [p for p, leaf in optim.freeze(state, "enc*").items() if leaf.frozen] == ["enc.a", "enc_b"]
-
-
-def test_from_optax_factory_int_learning_rate_is_adjustable():
-    import optax
-
-    m = {"w": jnp.array([1.0, 1.0])}
-    state = optim.adjust(optim.setup(optim.from_optax(optax.sgd, lr=1), m), lr=0.25)
-    _, new = optim.update(state, m, {"w": jnp.ones(2)})
-    np.testing.assert_allclose(new["w"], [0.75, 0.75], rtol=1e-6)

@@ -172,7 +172,7 @@ def test_file_tie_map_relinks_an_untied_fresh_model(tmp_path):
     save(tmp_path / "t.npz", state, model)
     untied = {"enc": jnp.zeros(3), "dec": jnp.zeros(3)}   # e.g. built from an array library that copies
     new_state, new_model = load(tmp_path / "t.npz", like=(optim.setup(optim.Adam(0.1), untied), untied))
-    assert new_state.ties() == {"dec": ("enc",)} or new_state.ties() == {"enc": ("dec",)}
+    assert new_state.ties() == {"dec": ("enc",)}         # canonical: "dec", first in flatten order (sorted keys)
     assert new_model["enc"] is new_model["dec"]
     s2, m2 = optim.update(new_state, new_model, {"enc": jnp.ones(3), "dec": jnp.ones(3)})
     assert m2["enc"] is m2["dec"]
@@ -412,7 +412,7 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "text.npz").write_text("hello")
     with pytest.raises(ValueError, match="not a readable optim checkpoint"):
         load(tmp_path / "text.npz", like=fresh())
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
         load(tmp_path / "missing.npz", like=fresh())
     with pytest.raises(TypeError, match="like="):
         load(tmp_path / "other.npz", like=build())
@@ -593,7 +593,7 @@ def test_failed_load_leaves_like_untouched(saved):
     before = arrays(like_state, like_model)
     data = saved.read_bytes()
     saved.write_bytes(data[:-100])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"is not a readable optim checkpoint \(truncated or corrupted\?\)"):
         load(saved, like=(like_state, like_model))
     assert_bitwise(arrays(like_state, like_model), before)
 

@@ -58,6 +58,7 @@ import numpy as np
 import pytest
 
 import optim
+from conftest import close
 
 O = optim
 
@@ -69,15 +70,6 @@ untied_under_grad = pytest.mark.filterwarnings("ignore:optim\\.\\w+ was called o
 # ================================================================================================= helpers
 def f32(*v):
     return jnp.array(v, dtype=jnp.float32)
-
-
-def close(a, b, rtol=1e-6, atol=1e-6):
-    a, b = np.asarray(a), np.asarray(b)
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        a, b = a.astype(np.complex128), b.astype(np.complex128)
-    else:
-        a, b = a.astype(np.float64), b.astype(np.float64)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 def hyper(v):

@@ -1,10 +1,13 @@
-"""State: lookup, repr, pytree behaviour, and a hashable static layout that compares by value."""
+"""State: lookup (`state[path]`, `state.rule`) and its errors, repr, pytree behaviour, and a hashable static
+layout that compares by value."""
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import optim
+from conftest import arr
 
 
 def model():
@@ -18,6 +21,20 @@ def test_getitem_any_member_returns_canonical_leaf():
     jax.tree.map(np.testing.assert_array_equal, s["head"].state, s["emb"].state)
     assert s.layout.param("head") == s.layout.param("emb") and s["layers.0.w"].frozen is False
     assert "head" in s and "step" not in s and "nope" not in s
+
+
+def test_state_getitem_errors():
+    state = optim.setup(optim.Descent(), {"w": arr(1, 2), "b": arr(0.5), "n": 3})
+    with pytest.raises(ValueError, match="'x' is not a leaf path"):
+        state["x"]
+    with pytest.raises(KeyError, match="'ww' is not a leaf path of the model; did you mean 'w'"):
+        state["ww"]
+    with pytest.raises(ValueError, match="'n' is not a trainable leaf"):
+        state["n"]
+    with pytest.raises(ValueError, match="did you mean 'w'"):
+        state["w2"]
+    with pytest.raises(TypeError, match=r"state\[...\] takes a dotted path string, got int"):
+        state[0]
 
 
 def test_repr_lists_paths_rules_shapes_frozen_and_ties():
@@ -53,3 +70,16 @@ def test_paths_items_ties():
 def test_rule_property_is_unambiguous_only():
     s = optim.setup(optim.Descent(), {"w": jnp.ones(1)})
     assert isinstance(s.rule, optim.Descent)
+
+
+def test_rule_property_refuses_a_state_with_several_rules():
+    model = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    state = optim.setup(lambda path, x: optim.Adam(0.1) if x.ndim == 2 else optim.Descent(0.2), model)
+    with pytest.raises(ValueError, match=r"this state uses several rules; look one up with state\[path\]\.rule"):
+        state.rule
+    # what the message points to
+    assert isinstance(state["w"].rule, optim.Adam) and float(state["w"].rule.lr) == pytest.approx(0.1)
+    assert isinstance(state["b"].rule, optim.Descent) and float(state["b"].rule.lr) == pytest.approx(0.2)
+    # equal rules chosen per leaf are one rule: no ambiguity
+    same = optim.setup(lambda path, x: optim.Adam(0.1), model)
+    assert isinstance(same.rule, optim.Adam) and float(same.rule.lr) == pytest.approx(0.1)

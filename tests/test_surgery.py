@@ -1,16 +1,12 @@
-"""State surgery: setup(like=), subtree, graft, reset; and tie_grads / return_grads."""
+"""State surgery: setup(like=), subtree, graft, reset, retie, donatable."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import optim
-
-
-def close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+from conftest import close
 
 
 def trained(model, rule=None):
@@ -73,24 +69,6 @@ def test_reset_zeroes_momenta():
     close(optim.reset(mp, model=m)["a"].state[0], m["a"].astype(jnp.float32))
 
 
-def test_tie_grads_and_return_grads():
-    w = jnp.array([1.0, 2.0])
-    m = {"a": w, "b": w, "c": jnp.ones(1), "n": 3}
-    state = optim.setup(optim.Descent(0.1), m)
-    g = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "c": None, "n": None}
-    tg = optim.tie_grads(state, g)
-    close(tg["a"], [4.0, 6.0])
-    assert tg["b"] is None and tg["c"] is None and tg["n"] is None
-    assert float(optax.global_norm(tg)) == pytest.approx(np.sqrt(52.0))
-    s1, m1, rg = optim.update(state, m, g, return_grads=True)
-    close(rg["a"], [4.0, 6.0])
-    # an already-summed gradient at the canonical path gives the same step (Optimisers.jl #193)
-    _, m2 = optim.update(state, m, tg)
-    close(m2["b"], m1["b"])
-    s3, m3, rg3 = jax.jit(lambda s, m, g: optim.update(s, m, g, return_grads=True))(state, m, g)
-    close(rg3["a"], [4.0, 6.0])
-
-
 def test_retie_after_a_jitted_step():
     w = jnp.ones(2)
     m = {"a": w, "b": w, "t": jnp.ones((2, 1))}
@@ -104,3 +82,23 @@ def test_retie_after_a_jitted_step():
     assert optim.setup(optim.Descent(0.1), r).ties() == {"a": ("b",)}
     with pytest.raises(ValueError, match="missing 'b'"):
         optim.retie(state, {"a": w, "t": w})
+
+
+def test_donatable_lets_a_user_jit_donate_a_tied_model():
+    w = jnp.ones((4, 4))
+    model = {"emb": w, "head": w}
+    state = optim.setup(optim.Adam(1e-3), model)
+
+    def train_step(s, m, x):
+        return optim.update(s, m, jax.grad(lambda m: jnp.sum((x @ m["emb"]) @ m["head"].T))(m))
+
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    m = optim.donatable(state, model)
+    assert m["emb"] is not m["head"] and model["emb"] is model["head"]
+    for _ in range(3):
+        state, m = step(state, m, jnp.ones((2, 4)))
+    np.testing.assert_array_equal(m["emb"], m["head"])
+    ref_state, ref = optim.setup(optim.Adam(1e-3), model), model
+    for _ in range(3):
+        ref_state, ref = train_step(ref_state, ref, jnp.ones((2, 4)))
+    close(m["emb"], ref["emb"])

@@ -6,23 +6,17 @@ import numpy as np
 import pytest
 
 import optim
+from conftest import arr, close
 
 
-def arr(*v):
-    return jnp.array(v, dtype=jnp.float32)
-
-
-def close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-
-
-# F11: w=[1,2], m=(w, (copy(w), w)), Momentum(.1), a fresh state for each case.
 @pytest.mark.parametrize("grads, tied, copy", [
     ((arr(3, 3), (arr(10, 10), arr(7, 7))), [0, 1], [0, 1]),
     ((arr(3, 3), None), [.7, 1.7], [1, 2]),
     ((None, (arr(5, 5), arr(7, 7))), [.3, 1.3], [.5, 1.5]),
 ])
-def test_f11_tied_and_copied(grads, tied, copy):
+def test_tied_positions_step_together_and_a_copy_alone(grads, tied, copy):
+    """Optimisers.jl F11: w=[1,2], m=(w, (copy(w), w)), Momentum(.1), a fresh state for each case: the tied
+    positions share one summed step and stay one array; the copy steps on its own."""
     w = arr(1, 2)
     model = (w, (jnp.array(w), w))
     state = optim.setup(optim.Momentum(0.1), model)
@@ -34,7 +28,9 @@ def test_f11_tied_and_copied(grads, tied, copy):
     assert new[0] is new[1][1]
 
 
-def test_f12_scalar_array_tied_at_three_depths():
+def test_scalar_array_tied_at_three_depths():
+    """Optimisers.jl F12: one [3] array tied at three depths, Momentum(.1, .9); the tie survives, also when a
+    branch has a None gradient."""
     s = jnp.array([3.0], jnp.float32)
     model = {"a": s, "b": {"c": s}, "d": [[s, 1]]}
     state = optim.setup(optim.Momentum(0.1, 0.9), model)
@@ -47,7 +43,8 @@ def test_f12_scalar_array_tied_at_three_depths():
     assert new["a"] is new["b"]["c"] is new["d"][0][0]
 
 
-def test_f14_explicit_tie_two_steps():
+def test_explicit_tie_two_steps():
+    """Optimisers.jl F14 (a hand-made shared Leaf, here ties=): a=b tied, Momentum(.1), two steps."""
     a, b, c, d = (arr(1, 2) for _ in range(4))
     model = {"a": a, "b": b, "c": c, "d": d}
     state = optim.setup(optim.Momentum(0.1), model, ties={"b": "a"})
@@ -132,9 +129,9 @@ def test_transformed_tie_errors():
         optim.setup(optim.Descent(), model, ties={"b": ("z", jnp.transpose)})
 
 
-def test_f19_preshared_gradient_convention():
-    # Optimisers.jl #193: a gradient given at every tied position is summed (one per position, as jax.grad
-    # produces); a gradient that is already summed goes at the canonical path with None elsewhere.
+def test_already_summed_gradient_goes_at_the_canonical_path():
+    """Optimisers.jl F19 (#193): a gradient given at every tied position is summed (one per position, as
+    jax.grad produces); a gradient that is already summed goes at the canonical path with None elsewhere."""
     s = arr(1.0)
     model = {"x": s, "y": s}
     state = optim.setup(optim.Descent(0.1), model)
