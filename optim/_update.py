@@ -29,7 +29,7 @@ from ._stack import put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
 from ._step import apply_all, apply_step, step_row
 from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
-from ._wrappers import joint_norm as _joint_norm
+from ._wrappers import joint_norm
 
 
 def _take(seq, idx: tuple[int, ...]) -> tuple:
@@ -153,7 +153,7 @@ def global_norm(grads: PyTree, state: State | None = None) -> jax.Array:
     (10.0, 7.0711)
     """
     leaves = jax.tree.leaves(tie_grads(state, grads) if state is not None else grads)
-    return _joint_norm([jnp.asarray(g) for g in leaves])
+    return joint_norm([jnp.asarray(g) for g in leaves])
 
 
 def _check_arrays(prog: Program, leaves: list | None, grads: tuple, who: str) -> None:
