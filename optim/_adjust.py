@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._step import Rule
+from ._step import Rule, is_rule
 from ._schedules import Schedule
 from ._hyper import canonical_numbers
 from ._state import PathError, State, unwrap, with_frozen
@@ -54,15 +54,11 @@ def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
         have = sorted(_fields(state.rules if isinstance(state, State) else (state,)))
         raise TypeError(f"adjust: no rule here has {', '.join(unknown)}; adjustable: {', '.join(have) or 'none'}")
     if isinstance(state, State):
-        if any(_is_rule(v) or (isinstance(v, tuple) and any(map(_is_rule, v))) for v in hyper.values()):
+        if any(is_rule(v) or (isinstance(v, tuple) and any(map(is_rule, v))) for v in hyper.values()):
             _check_same_states(state, rules)
         # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap).
         return State(state.layout, tuple(canonical_numbers(r) for r in rules), state.stacks, state.step)
     return rules[0]
-
-
-def _is_rule(v: Any) -> bool:
-    return callable(getattr(v, "init", None)) and callable(getattr(v, "apply", None))
 
 
 def _inner(rule: Any) -> list[str]:
@@ -72,7 +68,7 @@ def _inner(rule: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(rule):
         v = getattr(rule, f.name)
-        if _is_rule(v) or (isinstance(v, tuple) and v and all(map(_is_rule, v))):
+        if is_rule(v) or (isinstance(v, tuple) and v and all(map(is_rule, v))):
             out.append(f.name)
     return out
 
@@ -99,7 +95,7 @@ def _convert(new: Any, old: Any) -> Any:
         if not isinstance(new, (tuple, list)) or len(new) != len(old):
             raise ValueError(f"adjust: expected a tuple of {len(old)} values, got {new!r}")
         return tuple(_convert(n, o) for n, o in zip(new, old))
-    if isinstance(old, jax.Array) and not _is_rule(new):
+    if isinstance(old, jax.Array) and not is_rule(new):
         return jnp.asarray(new, dtype=old.dtype).reshape(old.shape)
     return new
 

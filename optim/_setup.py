@@ -11,7 +11,8 @@ import numpy as np
 
 from ._hyper import canonical_numbers
 from ._stack import init_group, placement
-from ._state import Layout, Param, State, _fname, _Static, leaf_paths, unwrap
+from ._step import is_rule
+from ._state import Layout, Param, State, StaticRule, func_name, leaf_paths, unwrap
 from ._ties import tie_groups, tie_positions
 from ._tree import PyTree, canonical_dtype, describe, is_trainable, show, unique_index
 
@@ -20,12 +21,8 @@ def _canonical_hyper(rule: Any) -> Any:
     """Hyperparameters as strong-typed device scalars, so every later value (from `adjust`) has the same
     abstract type and a jitted step never retraces. A rule that is not a pytree is kept as static data."""
     if jax.tree.leaves(rule) == [rule]:
-        return _Static(rule)
+        return StaticRule(rule)
     return canonical_numbers(rule)
-
-
-def _is_rule(rule: Any) -> bool:
-    return callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -64,7 +61,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
     ('Muon', 'AdamW')
     """
-    if not _is_rule(rule) and not callable(rule):
+    if not is_rule(rule) and not callable(rule):
         raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
     if like is not None and not isinstance(like, State):
         raise TypeError(f"setup: like= takes a State, got {type(like).__name__}")
@@ -124,14 +121,14 @@ def _check_ties_form(ties: Any) -> None:
 
 
 def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tuple[list, dict]:
-    if _is_rule(rule):
+    if is_rule(rule):
         return [rule], {c: 0 for c in groups}
     rules: list = []
     rule_of = {}
     for c, members in groups.items():
         chosen = [rule(paths[i], leaves[i]) for i in members]
         for i, r in zip(members, chosen):
-            if not _is_rule(r):
+            if not is_rule(r):
                 raise TypeError(f"setup: the rule function returned {r!r} for {show(paths[i])}, which is not a rule")
             if not _same(r, chosen[0]):
                 raise ValueError(f"setup: {show(paths[c])} and {show(paths[i])} are tied (one parameter) but the rule "
@@ -165,7 +162,7 @@ def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list
         want = jax.eval_shape(f, jax.ShapeDtypeStruct(leaves[c].shape, leaves[c].dtype))
         got = leaves[i]
         if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
-            raise ValueError(f"ties: {show(src)} is {describe(got)} but {_fname(f)}({show(dst)}) is "
+            raise ValueError(f"ties: {show(src)} is {describe(got)} but {func_name(f)}({show(dst)}) is "
                              f"{jnp.dtype(want.dtype).name}{list(want.shape)}")
         out.setdefault(c, []).append((i, f, tuple(got.shape), canonical_dtype(got.dtype)))
         del groups[canon_of[i]]

@@ -278,7 +278,7 @@ class State:
             tied = ""
             if len(p.members) + len(p.transforms) > 1:
                 tied = "  tied: " + ", ".join([lay.paths[i] for i in p.members[1:]]
-                                              + [f"{lay.paths[t[0]]} = {_fname(t[1])}(·)" for t in p.transforms])
+                                              + [f"{lay.paths[t[0]]} = {func_name(t[1])}(·)" for t in p.transforms])
             lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
                          f"{unwrap(self.rules[p.rule])!r} state={shapes}{flags}{tied}")
         return "\n".join(lines)
@@ -309,20 +309,20 @@ def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
     return nd
 
 
-def _fname(f: Callable) -> str:
+def func_name(f: Callable) -> str:
     return getattr(f, "__name__", type(f).__name__)
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Static:
+class StaticRule:
     """A user rule that is not a pytree, carried as static data (compared by identity)."""
 
     rule: Any
 
 
 def unwrap(rule: Any) -> Any:
-    return rule.rule if isinstance(rule, _Static) else rule
+    return rule.rule if isinstance(rule, StaticRule) else rule
 
 
 def leaf_paths(treedef) -> list[str]:

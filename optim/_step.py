@@ -193,6 +193,11 @@ def _pair(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------------------------- executor
+def is_rule(v: Any) -> bool:
+    """Whether `v` is a rule: it has `init(x)` and `apply(state, x, dx, *dxs)` (subclassing `Rule` is optional)."""
+    return callable(getattr(v, "init", None)) and callable(getattr(v, "apply", None))
+
+
 def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
     """Run `rule` on several *stacks* of parameters at once. Entry `i` is a group of parameters stacked on a
     leading axis: `xs[i]`, its states `states[i]` (stacked alike) and `dxs[i]`, the tuple of its gradients.
