@@ -131,7 +131,11 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
 
 def _check_same_states(state: State, rules: tuple) -> None:
     """A swapped-in rule must have the same state (structure, shapes, dtypes) as the one it replaces."""
+    seen = set()
     for u, p in enumerate(state.layout.params):
+        if (p.rule, p.shape, p.dtype) in seen:     # one check per rule, shape and dtype
+            continue
+        seen.add((p.rule, p.shape, p.dtype))
         old, new = unwrap(state.rules[p.rule]), unwrap(rules[p.rule])
         x = jax.ShapeDtypeStruct(p.shape, p.dtype)
         try:
