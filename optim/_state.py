@@ -205,12 +205,6 @@ class State:
         extra = [np.ndim(a) - d for a, d in zip(leaves, _member_ndims(self, u, treedef))]
         return treedef.unflatten([a[(slice(None),) * (e - 1) + (k,)] for a, e in zip(leaves, extra)])
 
-    @property
-    def leaves(self) -> tuple:
-        """One optimiser state per parameter, in `layout.params` order (sliced from `stacks`; read-only). Kept
-        for code written before states were stacked; `state[path].state` is the usual way in."""
-        return tuple(self.param_states())
-
     def param_states(self) -> list:
         """One optimiser state per parameter, in `layout.params` order."""
         return [self.param_state(u) for u in range(len(self.layout.params))]

@@ -42,7 +42,6 @@ def _take(seq, idx: tuple[int, ...]) -> tuple:
 class Program:
     layout: Layout
     graded: tuple[int, ...]               # parameters with a gradient in the first tree (frozen ones too)
-    active: tuple[int, ...]               # indices into `graded` of the parameters that step (not frozen)
     stepping: tuple[int, ...]             # ... and those parameters' own indices
     param_pos: tuple[int, ...]            # model position read for each graded parameter (its canonical)
     check_pos: tuple[int, ...]            # every other trainable position, only to validate shapes
@@ -255,7 +254,6 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
     maps = [_grad_map(lay, g, n) for g, n in zip(trees, names)]
     positions = [[(i, None) for i in p.members] + [(t[0], t[1]) for t in p.transforms] for p in lay.params]
     graded = tuple(u for u in range(len(lay.params)) if any(i in maps[0][0] for i, _ in positions[u]))
-    active = tuple(a for a, u in enumerate(graded) if not lay.frozen[u])
     take, paths, slots = [], [], []
     for found, gpaths in maps:
         order: dict[int, int] = {}
@@ -267,7 +265,7 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
         paths.append(tuple(gpaths[j] for j in order))
         slots.append(tuple(per_param))
     # Outputs of _core: one new array per stepping parameter, then one per transformed member of those.
-    stepping = tuple(graded[a] for a in active)
+    stepping = tuple(u for u in graded if not lay.frozen[u])   # graded and not frozen
     n_new = len(stepping) + sum(len(lay.params[u].transforms) for u in stepping)
     out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
     graded_at = {u: a for a, u in enumerate(graded)}
@@ -291,7 +289,7 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
             extra += 1
     canon = {lay.params[u].canonical for u in graded}
     check = tuple(i for p in lay.params for i in p.members + tuple(t[0] for t in p.transforms) if i not in canon)
-    return Program(lay, graded, active, stepping, tuple(lay.params[u].canonical for u in graded), check,
+    return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
                    tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_groups), tuple(plan),
                    tuple(stack_src))
 

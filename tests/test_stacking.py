@@ -178,9 +178,10 @@ def test_whole_model_rule_applied_to_one_leaf_directly():
     np.testing.assert_allclose(np.asarray(apply_step(x, step)), [0.9] * 3, rtol=1e-6)
 
 
-def test_leaves_alias_gives_per_parameter_states():
+def test_param_states_give_per_parameter_states():
     m = {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(3)}
     state = optim.setup(optim.Momentum(0.1), m)
     state, _ = optim.update(state, m, {"a": jnp.ones(2), "b": jnp.full(2, 2.0), "c": jnp.ones(3)})
-    assert len(state.stacks) == 2 and len(state.leaves) == 3
-    np.testing.assert_allclose(np.asarray(state.leaves[1]), [0.2, 0.2], rtol=1e-6)
+    assert len(state.stacks) == 2 and len(state.param_states()) == 3
+    np.testing.assert_allclose(np.asarray(state.param_states()[1]), [0.2, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(state["b"].state), [0.2, 0.2], rtol=1e-6)
