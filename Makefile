@@ -15,6 +15,7 @@ demo: $(BIN)/python
 
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m ruff check optim tests examples bench notebooks
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/python

@@ -23,7 +23,8 @@ def parse(argv=None):
         prog="python -m bench",
         description="Adam step benchmarks: optim vs optax vs torch, interleaved in one process per workload.")
     ap.add_argument("--quick", action="store_true",
-                    help="tiny sizes, few rounds, a few seconds: 1000x16k and tied-lm shrunk, overhead, setup, all in one "
+                    help="tiny sizes, few rounds, a few seconds: 1000x16k and tied-lm shrunk, overhead, setup, "
+                         "all in one "
                          "process plus two first-call processes; checks that the suite runs (numbers meaningless)")
     ap.add_argument("--only", default=None,
                     help=f"comma-separated sections to run: {', '.join(SECTIONS)} (aliases big, medium, many, "

@@ -189,7 +189,8 @@ def render(data: dict) -> str:
     ov = sections.get("overhead")
     if ov:
         out += ["## Eager per-call overhead", "",
-                f"{ov.get('raw', {}).get('description', '')}; measured {ov['date']} (optim {ov.get('optim', '?')}). Time per call, interleaved; "
+                f"{ov.get('raw', {}).get('description', '')}; measured {ov['date']} "
+                f"(optim {ov.get('optim', '?')}). Time per call, interleaved; "
                 "*vs optax* is the ratio to the jitted, donated optax step.", "",
                 "| candidate | per call (us) | vs optax |", "|---|---:|---:|"]
         for n, r in ov.get("rows", {}).items():
@@ -202,7 +203,8 @@ def render(data: dict) -> str:
         out.append("")
     su = sections.get("setup")
     if su:
-        out += ["## Setup time", "", f"{su.get('raw', {}).get('description', '')}; measured {su['date']} (optim {su.get('optim', '?')}); "
+        out += ["## Setup time", "", f"{su.get('raw', {}).get('description', '')}; measured {su['date']} "
+                f"(optim {su.get('optim', '?')}); "
                 "median of interleaved rounds (`optax init` = `optax.adam(1e-3).init(params)`, eager, for scale).",
                 "", "| | time (ms) |", "|---|---:|"]
         for n, r in su.get("rows", {}).items():

@@ -29,7 +29,8 @@ from ._wrappers import AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError", "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
+    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError",
+    "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
     "destructure",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",

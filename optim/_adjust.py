@@ -121,7 +121,10 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
     for k in _inner(rule):   # inside wrapped rules, unless the wrapped rule itself is being replaced
         if k not in changes:
             v = getattr(rule, k)
-            new = tuple(_adjust_rule(r, hyper, used) for r in v) if isinstance(v, tuple) else _adjust_rule(v, hyper, used)
+            if isinstance(v, tuple):
+                new = tuple(_adjust_rule(r, hyper, used) for r in v)
+            else:
+                new = _adjust_rule(v, hyper, used)
             if new is not v and (not isinstance(v, tuple) or any(a is not b for a, b in zip(new, v))):
                 changes[k] = new
     if not changes:

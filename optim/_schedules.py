@@ -125,7 +125,8 @@ class Piecewise(Schedule):
 
     def __post_init__(self):
         if not isinstance(self.boundaries, (tuple, list)) or not isinstance(self.values, (tuple, list)):
-            raise TypeError("Piecewise: boundaries and values are tuples, e.g. Piecewise((100, 200), (1e-3, 1e-4, 1e-5))")
+            raise TypeError("Piecewise: boundaries and values are tuples, "
+                            "e.g. Piecewise((100, 200), (1e-3, 1e-4, 1e-5))")
         if len(self.values) != len(self.boundaries) + 1:
             raise ValueError("Piecewise: need one more value than boundaries")
         super().__post_init__()

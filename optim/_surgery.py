@@ -141,8 +141,9 @@ def retie(state: State, model: PyTree) -> PyTree:
 
 def donatable(state: State, model: PyTree) -> PyTree:
     """A copy of `model` with a separate buffer at every tied position, so that `jax.jit(step, donate_argnums=...)`
-    can donate it (the input model stays usable): JAX refuses to donate one buffer twice ("Attempt to donate the same buffer twice"). The state's
-    tie map keeps the positions tied through the jitted steps; `retie` makes them one object again.
+    can donate it (the input model stays usable): JAX refuses to donate one buffer twice ("Attempt to donate the
+    same buffer twice"). The state's tie map keeps the positions tied through the jitted steps; `retie` makes
+    them one object again.
 
     >>> import jax, jax.numpy as jnp, optim
     >>> w = jnp.ones(2)

@@ -337,7 +337,7 @@ def test_ties_of_the_wrong_form_are_refused(ties, match):
 def test_gradient_leaf_that_is_not_an_array_names_the_model_path(bad):
     model = {"enc": {"w": arr(1.0, 2.0)}, "head": [arr(3.0)]}
     state = optim.setup(optim.Adam(), model)
-    with pytest.raises(TypeError, match=r"update: grads has (str|object) .* at 'head.0', where the model has a parameter"):
+    with pytest.raises(TypeError, match=r"update: grads has (str|object) .* at 'head.0', where the model has a param"):
         optim.update(state, model, {"enc": {"w": arr(1.0, 1.0)}, "head": [bad]})
     with pytest.raises(TypeError, match=r"tie_grads: grads has .* at 'enc.w'"):
         optim.tie_grads(state, {"enc": {"w": bad}, "head": [arr(1.0)]})
