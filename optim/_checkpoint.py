@@ -510,7 +510,11 @@ def _match(meta: dict, like: State, like_model: Any) -> Any:
         if len(leaves) != len(saved_rule["leaves"]):
             raise TypeError("rule leaves do not match the rule's structure")
         for j, (entry, x) in enumerate(zip(saved_rule["leaves"], leaves)):
-            _want_like(plan, entry, x, f"hyperparameter {j} of {saved_rule['repr']}")
+            what = f"hyperparameter {j} of {saved_rule['repr']}"
+            if _int_hyperparameter(entry, x):   # written before hyperparameters were floats: widened in build
+                plan.want(entry, what, np.shape(x), _dtype(entry["dtype"], what))
+            else:
+                _want_like(plan, entry, x, what)
         rules.append((treedef, saved_rule["leaves"], leaves))
     plan.want(meta["step"], "the step counter", (), jnp.int32)
 
@@ -575,7 +579,8 @@ def _match(meta: dict, like: State, like_model: Any) -> Any:
             for sl, v in zip(group, values):
                 sl.value = v
 
-        new_rules = tuple(jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in rule_parts)
+        new_rules = tuple(jax.tree_util.tree_unflatten(td, [_widen(v.value, x) for v, x in zip(vs, xs)])
+                          for (td, vs), (_, _, xs) in zip(rule_parts, rules))
         new_states = tuple(jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts)
         step = jnp.asarray(arrays[meta["step"]["array"]], jnp.int32)
         state = State.of_params(new_layout, new_rules, list(new_states), step)
@@ -610,6 +615,25 @@ class _Slot:
 
     def __init__(self, key: tuple):
         self.key, self.value = key, None
+
+
+def _int_hyperparameter(entry: Any, x: Any) -> bool:
+    """An integer hyperparameter in the file where like= has a floating one: files written before optim stored
+    hyperparameters given as ints (`Descent(1)`) as floats. They load, widened to like='s dtype."""
+    if not (isinstance(entry, dict) and "array" in entry and "key" not in entry and isinstance(entry.get("dtype"), str)
+            and isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)):
+        return False
+    try:
+        return bool(np.issubdtype(np.dtype(entry["dtype"]), np.integer))
+    except TypeError:
+        return False
+
+
+def _widen(v: Any, like_x: Any) -> Any:
+    """A hyperparameter in like='s dtype (only differs for `_int_hyperparameter`)."""
+    if hasattr(v, "dtype") and hasattr(like_x, "dtype") and v.dtype != like_x.dtype:
+        return jnp.asarray(v, like_x.dtype)
+    return v
 
 
 def _want_like(plan: _Plan, entry: dict, x: Any, what: str) -> None:

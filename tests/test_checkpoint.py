@@ -695,3 +695,21 @@ def test_model_with_colliding_dotted_names_is_refused_by_save(tmp_path):
     with pytest.raises(ValueError, match="share the dotted path 'a.b'.*rename a key"):
         optim.save(tmp_path / "c.npz", state, model)
     assert not (tmp_path / "c.npz").exists()
+
+
+def test_file_written_before_float_hyperparameters_loads():
+    """A file written at de3ce20, when `ClipGlobalNorm(1)` and int schedule values were stored as int32: it loads
+    onto a like= whose hyperparameters are floats, and the next step gives the numbers the old code gave."""
+    path = pathlib.Path(__file__).parent / "data" / "checkpoint_0.1_int_hyperparameters.npz"
+    rule = optim.SkipNonFinite(optim.chain(optim.ClipGlobalNorm(1), optim.AdamW(optim.warmup_cosine(1e-2, 2, 10),
+                                                                                 weight_decay=0.1)))
+    model = {"emb": jnp.zeros((2, 3)), "head": jnp.zeros((2, 3)), "b": jnp.zeros(3), "n": 0}
+    state, model = optim.load(path, like=(optim.setup(rule, model), model))
+    assert state.ties() == {"emb": ("head",)} and int(state.step) == 3 and model["n"] == 3
+    inner = state.rule.rule.rules
+    assert inner[0].max_norm.dtype == jnp.float32 and inner[1].lr.schedules[0].start.dtype == jnp.float32
+    g = {"emb": jnp.ones((2, 3)), "head": jnp.ones((2, 3)), "b": jnp.ones(3), "n": None}
+    state, model = optim.update(state, model, g)
+    # printed by the old code for the same step (repr of float32 values as Python floats)
+    assert float(model["emb"][0, 0]) == -0.02459985576570034
+    assert float(model["b"][0]) == 0.9729401469230652
