@@ -29,7 +29,7 @@ def _unique(model: PyTree, state: Any, who: str):
             for i in p.members:
                 owner[i] = (u, None)
             for t in p.transforms:
-                owner[t[0]] = (u, t[1])
+                owner[t.position] = (u, t.f)
         return list(lay.paths), leaves, treedef, owner, [p.canonical for p in lay.params]
     paths, leaves, treedef = flatten(model)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):

@@ -12,7 +12,7 @@ import numpy as np
 from ._hyper import canonical_numbers
 from ._stack import init_group, placement
 from ._step import is_rule
-from ._state import Layout, Param, State, StaticRule, func_name, leaf_paths, unwrap
+from ._state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from ._ties import tie_groups, tie_positions
 from ._tree import PyTree, canonical_dtype, describe, is_trainable, show, unique_index
 
@@ -164,7 +164,7 @@ def _transformed(ties: Mapping[str, Any], groups: dict, paths: Any, leaves: list
         if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
             raise ValueError(f"ties: {show(src)} is {describe(got)} but {func_name(f)}({show(dst)}) is "
                              f"{jnp.dtype(want.dtype).name}{list(want.shape)}")
-        out.setdefault(c, []).append((i, f, tuple(got.shape), canonical_dtype(got.dtype)))
+        out.setdefault(c, []).append(TiedCopy(i, f, tuple(got.shape), canonical_dtype(got.dtype)))
         del groups[canon_of[i]]
     return {c: tuple(v) for c, v in out.items()}
 

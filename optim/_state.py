@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,16 @@ import numpy as np
 
 from ._stack import stack_states, stacking_groups
 from ._tree import describe, flatten, show, unique_index
+
+
+class TiedCopy(NamedTuple):
+    """A model position tied to a parameter through a function: it holds `f(canonical)`, of `shape` and `dtype`
+    (`setup(..., ties={path: (canonical_path, f)})`)."""
+
+    position: int
+    f: Callable
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +45,15 @@ class Param:
     shape: tuple[int, ...]
     dtype: np.dtype
     rule: int = 0
-    # Positions that hold f(canonical) rather than the canonical array itself: ((position, f, shape, dtype), ...)
-    transforms: tuple = ()
+    # Positions that hold f(canonical) rather than the canonical array itself
+    transforms: tuple[TiedCopy, ...] = ()
     # Where the parameter lives when it is not an ordinary single-device array (its sharding): only parameters
     # placed alike are stacked together. Not part of equality: the layout compares its groups instead.
     place: Any = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.transforms:      # given as plain 4-tuples (e.g. by a checkpoint): named
+            object.__setattr__(self, "transforms", tuple(TiedCopy(*t) for t in self.transforms))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,7 +71,7 @@ class Layout:
     def __post_init__(self):
         param_of = [-1] * self.treedef.num_leaves
         for u, p in enumerate(self.params):
-            for i in p.members + tuple(t[0] for t in p.transforms):
+            for i in p.members + tuple(t.position for t in p.transforms):
                 param_of[i] = u
         object.__setattr__(self, "param_of", tuple(param_of))
         # The stacking groups: tuples of parameter indices whose states are stored stacked, in this order.
@@ -256,7 +270,8 @@ class State:
     def ties(self) -> dict[str, tuple[str, ...]]:
         """`{canonical_path: (other tied paths, ...)}` for every group of more than one position."""
         paths = self.layout.paths
-        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:]) + tuple(paths[t[0]] for t in p.transforms)
+        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:])
+                + tuple(paths[t.position] for t in p.transforms)
                 for p in self.layout.params if len(p.members) + len(p.transforms) > 1}
 
     def __len__(self) -> int:
@@ -271,8 +286,8 @@ class State:
             flags = " frozen" if lay.frozen[u] else ""
             tied = ""
             if len(p.members) + len(p.transforms) > 1:
-                tied = "  tied: " + ", ".join([lay.paths[i] for i in p.members[1:]]
-                                              + [f"{lay.paths[t[0]]} = {func_name(t[1])}(·)" for t in p.transforms])
+                copies = [f"{lay.paths[t.position]} = {func_name(t.f)}(·)" for t in p.transforms]
+                tied = "  tied: " + ", ".join([lay.paths[i] for i in p.members[1:]] + copies)
             lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
                          f"{unwrap(self.rules[p.rule])!r} state={shapes}{flags}{tied}")
         return "\n".join(lines)

@@ -77,10 +77,10 @@ def subtree(state: State, path: str) -> State:
     params, leaves, frozen = [], [], []
     for u, p in enumerate(lay.params):
         members = tuple(where[i] for i in p.members if i in where)
-        transforms = tuple((where[t[0]],) + tuple(t[1:]) for t in p.transforms if t[0] in where)
+        transforms = tuple(t._replace(position=where[t.position]) for t in p.transforms if t.position in where)
         if not members:
             if transforms:
-                raise ValueError(f"subtree: {show(lay.paths[p.transforms[0][0]])} is tied through a function to "
+                raise ValueError(f"subtree: {show(lay.paths[p.transforms[0].position])} is tied through a function to "
                                  f"{show(lay.paths[p.canonical])}, outside {show(path)}")
             continue
         params.append(Param(members[0], members, p.shape, p.dtype, p.rule, transforms, p.place))
@@ -135,7 +135,7 @@ def retie(state: State, model: PyTree) -> PyTree:
         for i in p.members:
             out[i] = x
         for t in p.transforms:
-            out[t[0]] = t[1](x)
+            out[t.position] = t.f(x)
     return treedef.unflatten(out)
 
 

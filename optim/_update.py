@@ -252,7 +252,7 @@ def _grad_map(lay: Layout, grads: PyTree, which: str) -> tuple[dict[int, int], l
 def _program(lay: Layout, trees: tuple, who: str) -> Program:
     names = [f"{who}: grads"] + [f"{who}: gradient tree {t + 2}" for t in range(len(trees) - 1)]
     maps = [_grad_map(lay, g, n) for g, n in zip(trees, names)]
-    positions = [[(i, None) for i in p.members] + [(t[0], t[1]) for t in p.transforms] for p in lay.params]
+    positions = [[(i, None) for i in p.members] + [(t.position, t.f) for t in p.transforms] for p in lay.params]
     graded = tuple(u for u in range(len(lay.params)) if any(i in maps[0][0] for i, _ in positions[u]))
     take, paths, slots = [], [], []
     for found, gpaths in maps:
@@ -285,10 +285,10 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
         for i in lay.params[u].members:
             out_src[i] = a
         for t in lay.params[u].transforms:
-            out_src[t[0]] = extra
+            out_src[t.position] = extra
             extra += 1
     canon = {lay.params[u].canonical for u in graded}
-    check = tuple(i for p in lay.params for i in p.members + tuple(t[0] for t in p.transforms) if i not in canon)
+    check = tuple(i for p in lay.params for i in p.members + tuple(t.position for t in p.transforms) if i not in canon)
     return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
                    tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_groups), tuple(plan),
                    tuple(stack_src))
@@ -298,8 +298,8 @@ def _check_param(x: Any, lay: Layout, i: int) -> None:
     p = lay.params[lay.param_of[i]]
     shape, dtype = p.shape, p.dtype
     for t in p.transforms:
-        if t[0] == i:
-            shape, dtype = t[2], t[3]
+        if t.position == i:
+            shape, dtype = t.shape, t.dtype
     # Compared as JAX will store it: a numpy float64 model under 32-bit JAX was set up as float32.
     if not hasattr(x, "shape") or tuple(x.shape) != shape or jax.dtypes.canonicalize_dtype(x.dtype) != dtype:
         raise ValueError(f"update: model leaf {show(lay.paths[i])} is {describe(x)} but the state was set up for "
@@ -380,7 +380,7 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
                 # update into one kernel per leaf that writes the new parameter directly.
                 new_params[a] = apply_step(params[i], step_row(d, m))
-    copies = [t[1](new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
+    copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
     return tuple(new_stacks), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out
