@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._stack import stack_states, stacking_groups
-from ._tree import describe, flatten, show, unique_index
+from ._tree import describe, flatten, show, suggest, unique_index
 
 
 class TiedCopy(NamedTuple):
@@ -138,7 +138,7 @@ class Layout:
             if path in self.ambiguous:
                 raise PathError(f"{show(path)} names several leaves of this model (its dotted names collide, e.g. "
                                 "a key 'a.b' beside a subtree 'a' with key 'b'); rename a key to select one")
-            raise PathError(f"{show(path)} is not a leaf path of the model{_suggest(path, self.paths)}")
+            raise PathError(f"{show(path)} is not a leaf path of the model{suggest(path, self.paths)}")
         u = self.param_of[i]
         if u < 0:
             raise PathError(f"{show(path)} is not a trainable leaf (only floating or complex arrays have state)")
@@ -170,13 +170,6 @@ class PathError(ValueError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
-
-
-def _suggest(path: str, paths: tuple[str, ...]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(path, paths, n=3)
-    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ._tree import describe, show, unique_index
+from ._tree import describe, show, suggest, unique_index
 
 
 def tie_groups(paths: Any, leaves: list[Any], trainable: list[bool],
@@ -62,11 +62,7 @@ def tie_positions(index: Mapping[str, int], leaves: list[Any], trainable: list[b
     out = []
     for p in paths:
         if p not in index:
-            import difflib
-
-            close = difflib.get_close_matches(p, list(index), n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(f"ties: {show(p)} is not a leaf of the model{hint}")
+            raise ValueError(f"ties: {show(p)} is not a leaf of the model{suggest(p, list(index))}")
         if not trainable[index[p]]:
             raise ValueError(f"ties: {show(p)} is not trainable ({describe(leaves[index[p]])}); "
                              "only floating or complex arrays can be tied")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
@@ -34,6 +35,12 @@ def unique_index(paths) -> dict[str, int]:
     for i, p in enumerate(paths):
         out[p] = -1 if p in out else i
     return {p: i for p, i in out.items() if i >= 0}
+
+
+def suggest(path: str, paths) -> str:
+    """`"; did you mean 'a', 'b'?"` naming the paths closest to a mistyped one, or `""`."""
+    close = difflib.get_close_matches(path, list(paths), n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
 def show(path: str) -> str:
