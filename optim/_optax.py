@@ -11,20 +11,16 @@ adafactor, lamb / lars, muon, schedule_free, MultiSteps, masked with a callable 
 transformation computes something over all arrays together (a global norm, an inner product, an all-finite
 test, a line search over the loss) and would silently compute per-array results instead. `from_optax` refuses
 those when the rule is set up, naming the transformation: the known ones by name (`_WHOLE_TREE`, which also
-catches the threshold-dependent ones), and any other by a dependency probe: three steps of `tx` on a tree of two
-arrays are traced (not run) and the jaxpr is walked (through jit, cond, while, scan and custom-derivative calls)
-to see whether either array's update depends on the other array's value, gradient or state. The probe is
-conservative: a transformation that concatenates the arrays and splits them again (`optax.flatten`) is refused
-too (`check=False`). Tie-aware replacements: `optim.ClipGlobalNorm` for `clip_by_global_norm`,
-`optim.SkipNonFinite` for `apply_if_finite`; for the rest (lbfgs, line searches, polyak_sgd, prodigy, dog,
-dadapt, mechanize, momo, sam, ...), run plain optax on `optim.destructure(model)`'s flat vector, which holds each
-tied array once.
+catches the threshold-dependent ones), and any other by a traced dependency probe, which is conservative (it
+refuses `optax.flatten` too; `check=False` skips it): `optim/_optax_probe.py` explains both probes. Tie-aware
+replacements: `optim.ClipGlobalNorm` for `clip_by_global_norm`, `optim.SkipNonFinite` for `apply_if_finite`;
+for the rest (lbfgs, line searches, polyak_sgd, prodigy, dog, dadapt, mechanize, momo, sam, ...), run plain
+optax on `optim.destructure(model)`'s flat vector, which holds each tied array once.
 
-`from_optax` also runs one small compiled update to check the orientation of `tx`'s output: an optimiser's
-updates point against the gradient (they are added); a gradient transformation without its learning-rate
-stage (`optax.scale_by_adam()`, `optax.clip(1.0)`) keeps the gradient's orientation and, used as an optimiser,
-would climb the loss. Such a transformation is refused unless declared with `gradient_like=True`, which makes
-the step `+updates`: a stage of an optim chain.
+`from_optax` also probes the orientation of `tx`'s output: an optimiser's updates point against the gradient
+(they are added), while a gradient transformation without its learning-rate stage (`optax.scale_by_adam()`,
+`optax.clip(1.0)`) would climb the loss. Such a transformation is refused unless declared with
+`gradient_like=True`, which makes the step `+updates`: a stage of an optim chain.
 
 `to_optax(rule)` is `init(params) = optim.setup(rule, params)` and `update(grads, state, params)` = one
 `optim.update`, returning `new_params - params` as the updates, so `optax.apply_updates` gives optim's result.
@@ -39,12 +35,13 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._optax_probe import cross_leaf, update_orientation
 from ._step import Rule
 from ._schedules import Schedule
 from ._setup import setup
@@ -123,43 +120,82 @@ def _root_name(fn: Any) -> str | None:
     return qual.split(".<locals>")[0].split(".")[0]
 
 
-def _optax_names(obj: Any, depth: int = 0, seen: set | None = None) -> list[str]:
-    """Names of the optax builders reachable from a transformation (through closures, chains, wrappers)."""
-    seen = set() if seen is None else seen
-    if depth > 10 or id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    out: list[str] = []
+def _reachable(root: Any, max_depth: int, *, attributes: bool = True,
+               stop: Callable[[Any], bool] = lambda obj: False) -> Iterator[Any]:
+    """`root` and the objects reachable from it, depth-first, each once (cycles end), at most `max_depth` steps
+    away. optax builds a transformation as functions closing over its settings and inner transformations, so the
+    steps are: a function's closure cells, a tuple's or list's items, a dict's values and, with `attributes`, a
+    bound method's instance, a partial's function and arguments and an optax object's attributes. An object for
+    which `stop` is true is yielded but not looked inside."""
+    seen: set = set()
+
+    def walk(obj: Any, depth: int) -> Iterator[Any]:
+        if depth > max_depth or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        yield obj
+        if not stop(obj):
+            for part in _parts(obj, attributes):
+                yield from walk(part, depth + 1)
+
+    return walk(root, 0)
+
+
+def _parts(obj: Any, attributes: bool) -> Iterator[Any]:
+    """The objects one step inside `obj`, for `_reachable`."""
     if isinstance(obj, (types.FunctionType, types.MethodType)):
         fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
-        name = _root_name(fn)
-        if name is not None:
-            out.append(name)
-        if isinstance(obj, types.MethodType):
-            out += _optax_names(obj.__self__, depth + 1, seen)
+        if attributes and isinstance(obj, types.MethodType):
+            yield obj.__self__
         for cell in fn.__closure__ or ():
             try:
-                out += _optax_names(cell.cell_contents, depth + 1, seen)
+                contents = cell.cell_contents
             except ValueError:  # an empty cell
-                pass
-    elif isinstance(obj, functools.partial):
-        out += _optax_names(obj.func, depth + 1, seen)
-        for v in (*obj.args, *obj.keywords.values()):
-            out += _optax_names(v, depth + 1, seen)
+                continue
+            yield contents
     elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            out += _optax_names(v, depth + 1, seen)
+        yield from obj
     elif isinstance(obj, dict):
-        for v in obj.values():
-            out += _optax_names(v, depth + 1, seen)
-    elif (type(obj).__module__ or "").startswith("optax") and hasattr(obj, "__dict__"):
-        out.append(type(obj).__name__)
-        for v in vars(obj).values():
-            out += _optax_names(v, depth + 1, seen)
-    return out
+        yield from obj.values()
+    elif not attributes:
+        return
+    elif isinstance(obj, functools.partial):
+        yield obj.func
+        yield from (*obj.args, *obj.keywords.values())
+    elif _is_optax_object(obj):
+        yield from vars(obj).values()
 
 
-def _name(tx: Any) -> str:
+def _is_optax_object(obj: Any) -> bool:
+    """An instance of a class of optax's with attributes (`MultiSteps`, ...), not a container or partial."""
+    return (not isinstance(obj, (functools.partial, tuple, list, dict))
+            and (type(obj).__module__ or "").startswith("optax") and hasattr(obj, "__dict__"))
+
+
+def _optax_names(tx: Any) -> list[str]:
+    """Names of the optax builders reachable from a transformation (through closures, chains, wrappers): each
+    function's builder (`_root_name`) and each optax object's class."""
+    names: list[str] = []
+    for obj in _reachable(tx, 10):
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            name = _root_name(obj.__func__ if isinstance(obj, types.MethodType) else obj)
+            if name is not None:
+                names.append(name)
+        elif _is_optax_object(obj):
+            names.append(type(obj).__name__)
+    return names
+
+
+def _components(tx: Any) -> list[Any]:
+    """The transformations directly inside `tx` (a chain's stages, a wrapper's inner transformation): those
+    reachable from `tx.update` through closures and containers, not looking inside them."""
+    def inner(obj: Any) -> bool:
+        return _is_transformation(obj) and not isinstance(obj, type)
+
+    return [obj for obj in _reachable(getattr(tx, "update", None), 3, attributes=False, stop=inner) if inner(obj)]
+
+
+def _transformation_name(tx: Any) -> str:
     """A readable name for a transformation: the optax builder that made it, else its type."""
     upd = getattr(tx, "update", None)
     fn = upd.__func__ if isinstance(upd, types.MethodType) else upd
@@ -173,164 +209,10 @@ def _name(tx: Any) -> str:
 
 def _describe(tx: Any) -> str:
     """`chain(scale_by_adam, scale_by_learning_rate)` for `optax.adam(...)`."""
-    name = _name(tx)
+    name = _transformation_name(tx)
     if name in ("chain", "named_chain"):
         return f"{name}({', '.join(_describe(c) for c in _components(tx))})"
     return name
-
-
-def _components(tx: Any) -> list[Any]:
-    """The transformations directly inside `tx` (a chain's stages, a wrapper's inner transformation)."""
-    found: list[Any] = []
-    seen: set = set()
-
-    def walk(obj, depth):
-        if depth > 4 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if depth > 0 and _is_transformation(obj) and not isinstance(obj, type):
-            found.append(obj)
-            return
-        if isinstance(obj, (types.FunctionType, types.MethodType)):
-            fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
-            for cell in fn.__closure__ or ():
-                try:
-                    walk(cell.cell_contents, depth + 1)
-                except ValueError:
-                    pass
-        elif isinstance(obj, (tuple, list)):
-            for v in obj:
-                walk(v, depth + 1)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v, depth + 1)
-
-    walk(getattr(tx, "update", None), 1)
-    return found
-
-
-def _probe_array(rng: np.random.Generator, shape: tuple, dtype: Any, scale: float, offset: float = 0.0):
-    v = rng.standard_normal(shape) * scale + offset
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        v = v + 1j * rng.standard_normal(shape) * scale
-    return jnp.asarray(v, dtype)
-
-
-# --- whole-tree detection: which inputs each output of a traced computation depends on (labels "a" / "b").
-def _union(labels) -> frozenset:
-    out: frozenset = frozenset()
-    for lab in labels:
-        out = out | lab
-    return out
-
-
-def _closed(j: Any) -> Any:
-    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
-
-
-def _deps(jaxpr: Any, ins: list) -> list:
-    """Data dependencies through a jaxpr: the labels of each output given the labels of each input."""
-    from jax.extend import core as jcore
-
-    env: dict = {}
-
-    def read(v):
-        return frozenset() if isinstance(v, jcore.Literal) else env.get(v, frozenset())
-
-    for v, lab in zip(jaxpr.invars, ins):
-        env[v] = lab
-    for eqn in jaxpr.eqns:
-        outs = _eqn_deps(eqn, [read(v) for v in eqn.invars])
-        for v, lab in zip(eqn.outvars, outs):
-            env[v] = lab
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _eqn_deps(eqn: Any, ins: list) -> list:
-    name, params, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
-    if name == "cond":                       # operands: index, *args; every branch may run
-        outs = [frozenset()] * n_out
-        for br in params["branches"]:
-            outs = [o | d for o, d in zip(outs, _deps(_closed(br), ins[1:]))]
-        return [o | ins[0] for o in outs]
-    if name == "while":
-        cj, bj = _closed(params["cond_jaxpr"]), _closed(params["body_jaxpr"])
-        nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], list(ins[nc + nb:])
-        for _ in range(len(carry) + 2):       # labels only grow: a fixed point within len(carry) + 1 rounds
-            pred = _deps(cj, cconsts + carry)[0]
-            new = [c | d | pred for c, d in zip(carry, _deps(bj, bconsts + carry))]
-            if new == carry:
-                break
-            carry = new
-        return carry
-    if name == "scan":
-        body, nc, nk = _closed(params["jaxpr"]), params["num_consts"], params["num_carry"]
-        consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
-        for _ in range(len(carry) + 2):
-            out = _deps(body, consts + carry + xs)
-            new = [c | d for c, d in zip(carry, out[:nk])]
-            if new == carry:
-                break
-            carry = new
-        return carry + out[nk:]
-    for v in params.values():               # jit, custom_jvp / custom_vjp calls, remat, closed_call, ...
-        j = _closed(v)
-        if hasattr(j, "invars") and hasattr(j, "eqns") and len(j.invars) == len(ins) and len(j.outvars) == n_out:
-            return _deps(j, ins)
-    return [_union(ins)] * n_out            # an ordinary primitive (or an unknown one: conservatively all)
-
-
-_A, _B = "optim_probe_a", "optim_probe_b"    # dict keys that mark the two probe arrays in a traced tree
-
-
-def _labelled(tree: Any) -> list:
-    out = []
-    for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = {getattr(k, "key", None) for k in kp}
-        out.append(frozenset(n for n in (_A, _B) if n in keys))
-    return out
-
-
-def _cross_leaf(tx: Any, shape: tuple, dtype: Any, extra: dict, tree_args: tuple, steps: int = 3) -> bool:
-    """Whether `tx`, run for a few steps on a tree of two arrays, makes either array's update depend on the
-    other array (its value, gradient or state). Only traces: nothing is compiled or run."""
-    spec = jax.ShapeDtypeStruct(shape, dtype)
-
-    def run(params, grads, trees):
-        state = tx.init(params)
-        outs = []
-        for t in range(steps):
-            kw = {n: tr[t] for n, tr in zip(tree_args, trees)}
-            u, state = tx.update(grads[t], state, params, **extra, **kw)
-            params = jax.tree.map(lambda p, d: (p + d).astype(p.dtype), params, u)
-            outs.append(u)
-        return outs
-
-    two = {_A: spec, _B: spec}
-    args = (two, [two] * steps, [[two] * steps for _ in tree_args])
-    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*args)
-    labels = _deps(closed.jaxpr, _labelled(args))
-    for lab, want in zip(labels, _labelled(out_shape)):
-        if not lab <= want:
-            return True
-    return False
-
-
-def _orientation(tx: Any, shape: tuple, dtype: Any, extra: dict, tree_args: tuple) -> int:
-    """The sign of <gradient, update> on a first step: -1 an optimiser (updates are added), +1 a gradient
-    transformation (updates point like the gradient), 0 unknown (e.g. no update on the first step)."""
-    rng = np.random.default_rng(0)
-    x = _probe_array(rng, shape, dtype, 1.0, 1.0)
-    g = _probe_array(rng, shape, dtype, 1.0)
-    more = {n: jnp.abs(_probe_array(rng, shape, dtype, 1.0)) + 0.5 for n in tree_args}
-
-    def first(x, g, more):
-        return tx.update(g, tx.init(x), x, **extra, **more)[0]
-
-    u = np.asarray(jax.jit(first)(x, g, more), np.complex128)
-    dot = float(np.real(np.vdot(np.asarray(g, np.complex128), u)))
-    return int(np.sign(dot)) if np.isfinite(dot) else 0
 
 
 _CHECKED: dict = {}
@@ -370,8 +252,8 @@ def _check_now(rule: "FromOptax", tx: Any, x: Any, orient: bool = True) -> None:
     extra = dict(rule.extra_args or {})
     args = (shape, x.dtype, extra, rule.tree_args)
     try:
-        cross = _cross_leaf(tx, *args)
-        orientation = _orientation(tx, *args) if orient else 0
+        cross = cross_leaf(tx, *args)
+        orientation = update_orientation(tx, *args) if orient else 0
     except Exception as e:  # the transformation cannot run on single arrays (or needs extra arguments)
         raise TypeError(
             f"from_optax: could not run {name} on single parameters to check that it works per parameter "
@@ -382,7 +264,7 @@ def _check_now(rule: "FromOptax", tx: Any, x: Any, orient: bool = True) -> None:
         culprit = name
         for c in _components(tx):
             try:
-                if _cross_leaf(_normalise(c), *args):
+                if cross_leaf(_normalise(c), *args):
                     culprit = f"{_label(c)} (inside {name})"
                     break
             except Exception:
@@ -514,7 +396,7 @@ def from_optax(tx: Any, /, *, extra_args: dict | None = None, tree_args: tuple[s
     Whole-tree transformations (`clip_by_global_norm`, `apply_if_finite`, `lbfgs` and the line searches,
     `polyak_sgd`, `normalize_by_update_norm`, and contrib's `prodigy`, `dadapt_adamw`, `dog`, `dowg`,
     `mechanize`, `momo`, `sam`, ...) raise `WholeTreeError` (a `TypeError`) when the rule is set up: known ones
-    by name, others by a traced dependency probe (see the module docstring). Use `optim.ClipGlobalNorm` and
+    by name, others by a traced dependency probe (`optim/_optax_probe.py`). Use `optim.ClipGlobalNorm` and
     `optim.SkipNonFinite` instead of the first two. A transformation that needs a tree-shaped mask or label tree
     cannot be wrapped (use a callable mask).
 
@@ -546,7 +428,7 @@ def from_optax(tx: Any, /, *, extra_args: dict | None = None, tree_args: tuple[s
     if _is_transformation(tx):
         if hyperparameters:
             raise TypeError(f"from_optax: keyword arguments ({', '.join(hyperparameters)}) go with a factory such as "
-                            f"optax.adam, not with an already built transformation ({_name(tx)})")
+                            f"optax.adam, not with an already built transformation ({_transformation_name(tx)})")
         return FromOptax(tx, extra or None, tree_args, (), bool(check), bool(gradient_like))
     if not callable(tx):
         raise TypeError(f"from_optax: expected an optax GradientTransformation or a factory such as optax.adam, "
