@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._state import Layout, Param, PathError, State, unwrap
+from ._state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
 from ._tree import PyTree, flatten, show, structure_diff
 
 __all__ = ["save", "load"]
@@ -88,7 +88,7 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     rules = []
     for k, rule in enumerate(state.rules):
         leaves, treedef = jax.tree_util.tree_flatten(rule)
-        rules.append({"repr": _clean(repr(unwrap(rule))), "structure": _signature(treedef),
+        rules.append({"repr": _rule_repr(rule), "structure": _signature(treedef),
                       "leaves": [writer.leaf(v, f"hyperparameter {j} of rule {k}") for j, v in enumerate(leaves)]})
     meta["rules"] = rules
 
@@ -99,7 +99,8 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
         leaves, treedef = jax.tree_util.tree_flatten(per_param[u])
         params.append({
             "canonical": paths[p.canonical], "members": [paths[i] for i in p.members],
-            "transforms": [[paths[t[0]], _fname(t[1]), list(t[2]), jnp.dtype(t[3]).name] for t in p.transforms],
+            "transforms": [[paths[t.position], func_name(t.f), list(t.shape), jnp.dtype(t.dtype).name]
+                           for t in p.transforms],
             "shape": list(p.shape), "dtype": jnp.dtype(p.dtype).name, "rule": p.rule, "frozen": lay.frozen[u],
             "state_structure": _signature(treedef),
             "state": [writer.leaf(v, f"optimiser state {j} of {where}") for j, v in enumerate(leaves)]})
@@ -151,7 +152,7 @@ class _Writer:
         self.keys = False
 
     def leaf(self, v: Any, what: str, optional: bool = False) -> dict:
-        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+        if isinstance(v, _ARRAYS):
             if isinstance(v, jax.core.Tracer):
                 raise TypeError(f"save: {what} is a tracer; call save outside jit / pmap")
             if isinstance(v, jax.Array) and not v.is_fully_addressable:
@@ -166,11 +167,9 @@ class _Writer:
                     raise ValueError(f"save: {what} is a PRNG key of implementation {key!r}, which load could not "
                                      "rebuild (jax.random.wrap_key_data takes only JAX's named implementations)")
                 v, self.keys = jax.random.key_data(v), True
-            name = _name(v.dtype)
-            try:
-                _dtype(name, what)
-            except TypeError:
-                raise TypeError(f"save: {what} has dtype {name}, which a checkpoint cannot hold") from None
+            name = _dtype_name(v.dtype)
+            if _storable_dtype(name) is None:
+                raise TypeError(f"save: {what} has dtype {name}, which a checkpoint cannot hold")
             entry = {"array": f"a{len(self.arrays)}", "dtype": name, "shape": list(np.shape(v))}
             if key is not None:
                 entry["key"] = key
@@ -374,7 +373,11 @@ def _stored_size(npz: Any, name: str) -> int:
 
 
 class _Mismatch(ValueError):
-    pass
+    """The file is a checkpoint of another model or rule than like='s."""
+
+
+class _Malformed(ValueError):
+    """The file's description is not one `save` writes (edited, or written by something else)."""
 
 
 def _restore(path: str, meta: dict, npz: Any, like: State, like_model: Any) -> Any:
@@ -382,216 +385,276 @@ def _restore(path: str, meta: dict, npz: Any, like: State, like_model: Any) -> A
         plan = _match(meta, like, like_model)
     except _Mismatch as e:
         raise ValueError(f"load: {path} does not match like=: {e}") from None
-    except (KeyError, TypeError, IndexError, AttributeError) as e:     # a description that is not ours
-        raise ValueError(f"load: {path} has a malformed description ({type(e).__name__}: {e})") from None
+    except _Malformed as e:
+        raise ValueError(f"load: {path} has a malformed description ({e})") from None
     arrays = _read_arrays(path, meta, npz, plan.expect)
     return plan.build(arrays)
 
 
-class _Plan:
-    """Everything `load` builds, checked against `like` before any array is read."""
+def _match(meta: dict, like: State, like_model: Any) -> _Plan:
+    """Check the file's description against like= and plan what `load` builds. Raises `_Malformed` or
+    `_Mismatch`; once it returns, building cannot fail on anything in the file."""
+    _check_description(meta)
+    plan = _Plan(meta, like, like_model)
+    plan.match_structure()
+    plan.match_params()
+    plan.match_rules()
+    plan.want(meta["step"], "the step counter", (), jnp.int32)
+    plan.match_model()
+    return plan
 
-    def __init__(self):
+
+class _Plan:
+    """What `load` builds, matched against like= step by step (`_match`) before any array is read: each step
+    checks a part of the description (raising `_Mismatch` or `_Malformed`) and records what `build` needs,
+    among it `expect`, the arrays to read. `build` then assembles the result from them."""
+
+    def __init__(self, meta: dict, like: State, like_model: Any):
+        self.meta = meta
+        self.like = like
+        self.paths = list(like.layout.paths)
         # array name -> (what, shape, dtype, PRNG key implementation or None)
         self.expect: dict[str, tuple[str, tuple, Any, str | None]] = {}
+        # match_params: the file's parameters (tie groups on like='s treedef) and frozen flags, the layout they
+        # make, and per parameter the optimiser state to build: (like's state treedef, the file's entries, like's
+        # leaves)
+        self.params: list[Param] = []
+        self.frozen: list[bool] = []
+        self.layout: Layout = like.layout
+        self.states: list[tuple] = []
+        # the saved rule index -> like='s rule of a parameter using it: the class that rule is rebuilt with
+        self.like_rule_of: dict[int, Any] = {}
+        # per saved rule (match_rules): (like's rule treedef, the file's entries, like's leaves)
+        self.rules: list[tuple] = []
+        # the model (match_model): like='s leaves and the file's entries; None when like= has no model
+        self.like_leaves: list | None = None if like_model is _NO_MODEL else jax.tree.leaves(like_model)
+        self.model_entries: list | None = None
+
+    # ----------------------------------------------------------------------------------------- matching
+    def match_structure(self) -> None:
+        """The file's model has like='s leaf paths, node types and static data."""
+        saved = self.meta["paths"]
+        if saved != self.paths:
+            raise _Mismatch("the checkpoint was saved from another model: " + structure_diff(
+                saved, self.paths, missing="like= lacks", unexpected="the checkpoint lacks"))
+        where = _first_difference(self.meta["structure"], _signature(self.like.layout.treedef))
+        if where is not None:
+            k, a, b = where
+            raise _Mismatch(f"the model's structure differs near "
+                            f"{show(self.paths[k]) if k < len(self.paths) else '<end>'}: "
+                            f"the checkpoint has a node {a}, like= has {b}")
+
+    def match_params(self) -> None:
+        """The file's tie groups on like='s treedef, with the rule classes and state structures of like=; every
+        trainable leaf of like= in exactly one of them."""
+        lay = self.like.layout
+        owner: dict[int, str] = {}        # model position -> its parameter
+        for sp in self.meta["params"]:
+            self.params.append(self._param(sp, owner))
+            self.frozen.append(sp["frozen"])
+        for i in range(len(self.paths)):
+            if lay.param_of[i] >= 0 and i not in owner:
+                raise _Mismatch(f"{show(self.paths[i])} is a trainable leaf of like= but not a parameter in the "
+                                "checkpoint")
+        layout = Layout(lay.treedef, tuple(self.params), tuple(self.frozen))
+        self.layout = lay if layout == lay else layout     # identical: keep like's (computed paths, identity)
+
+    def _param(self, sp: dict, owner: dict[int, str]) -> Param:
+        """One saved parameter, checked against like='s parameter at its canonical path."""
+        lay, where = self.like.layout, show(sp["canonical"])
+        try:
+            u = lay.param(sp["canonical"])
+        except PathError:
+            raise _Mismatch(f"{where} is a parameter in the checkpoint but not a trainable leaf of like=") from None
+        lp = lay.params[u]
+        shape, dtype = tuple(sp["shape"]), _dtype_named(sp["dtype"], where)
+        if (shape, dtype) != (lp.shape, jnp.dtype(lp.dtype)):
+            raise _Mismatch(f"parameter {where}: the checkpoint has {dtype.name}{list(shape)}, like= has "
+                            f"{jnp.dtype(lp.dtype).name}{list(lp.shape)}")
+        members = [self._member(m, shape, dtype, where) for m in sp["members"]]
+        transforms = [self._tied_copy(t, sp["canonical"]) for t in sp["transforms"]]
+        for i in members + [t.position for t in transforms]:
+            if i in owner:
+                raise _Mismatch(f"{show(self.paths[i])} belongs to two parameters ({owner[i]} and {where})")
+            owner[i] = where
+        self._rule(sp["rule"], self.like.rules[lp.rule], where)
+        self._state(sp, u, where)
+        return Param(lay.index[sp["canonical"]], tuple(members), shape, dtype, sp["rule"], tuple(transforms),
+                     lp.place)
+
+    def _member(self, path: str, shape: tuple, dtype: np.dtype, where: str) -> int:
+        """A position the file ties to the parameter at `where`: a trainable leaf of like= of its shape and dtype."""
+        lay = self.like.layout
+        i = lay.index[path]
+        q = lay.params[lay.param_of[i]] if lay.param_of[i] >= 0 else None
+        if q is None or (q.shape, jnp.dtype(q.dtype)) != (shape, dtype) or any(t.position == i for t in q.transforms):
+            raise _Mismatch(f"{show(path)} is tied to {where} in the checkpoint but is not a trainable "
+                            f"{dtype.name}{list(shape)} leaf of like=")
+        return i
+
+    def _tied_copy(self, saved: list, canonical: str) -> TiedCopy:
+        """A position the file ties to `canonical` through a function, which like= must tie alike (functions are
+        not stored)."""
+        path, fname, shape, dtype = saved
+        i = self.like.layout.index[path]
+        f = next((t.f for q in self.like.layout.params for t in q.transforms if t.position == i), None)
+        if f is None:
+            raise _Mismatch(f"the checkpoint ties {show(path)} to {fname}({show(canonical)}); functions are not "
+                            f"stored, so set up like= with the same tie: ties={{{path!r}: ({canonical!r}, "
+                            f"{fname})}}")
+        if func_name(f) != fname:
+            raise _Mismatch(f"{show(path)} is {fname}({show(canonical)}) in the checkpoint but {func_name(f)}(...) "
+                            "in like=")
+        return TiedCopy(i, f, tuple(shape), _dtype_named(dtype, path))
+
+    def _rule(self, k: int, like_rule: Any, where: str) -> None:
+        """like='s rule for a parameter must have the structure of the saved rule `k`: it is the class that rule
+        is rebuilt with."""
+        saved = self.meta["rules"][k]
+        if _signature(jax.tree.structure(like_rule)) != saved["structure"]:
+            raise _Mismatch(f"the rule of {where} differs: the checkpoint has {saved['repr']}, like= has "
+                            f"{_rule_repr(like_rule)}")
+        self.like_rule_of.setdefault(k, like_rule)
+
+    def _state(self, sp: dict, u: int, where: str) -> None:
+        """A parameter's optimiser state: like='s structure, the file's arrays (checked for shape and dtype)."""
+        like_leaves, like_def = jax.tree_util.tree_flatten(self.like.param_state(u))
+        if _signature(like_def) != sp["state_structure"] or len(like_leaves) != len(sp["state"]):
+            like_rule = self.like.rules[self.like.layout.params[u].rule]
+            raise _Mismatch(f"the optimiser state of {where} has another structure: the checkpoint's rule is "
+                            f"{self.meta['rules'][sp['rule']]['repr']}, like='s is {_rule_repr(like_rule)}")
+        for j, (entry, x) in enumerate(zip(sp["state"], like_leaves)):
+            self._want_like(entry, x, f"optimiser state {j} of {where}")
+        self.states.append((like_def, sp["state"], like_leaves))
+
+    def match_rules(self) -> None:
+        """Every saved rule: like='s class (its parameters' rule, else like='s rule of the same index and
+        structure) with the file's hyperparameters."""
+        for k, saved in enumerate(self.meta["rules"]):
+            template = self.like_rule_of.get(k)
+            if template is None:
+                template = self.like.rules[k] if k < len(self.like.rules) else None
+                if template is None or _signature(jax.tree.structure(template)) != saved["structure"]:
+                    raise _Mismatch(f"the checkpoint's rule {saved['repr']} has no counterpart in like=")
+            leaves, treedef = jax.tree_util.tree_flatten(template)
+            if len(leaves) != len(saved["leaves"]):
+                raise _Malformed("rule leaves do not match the rule's structure")
+            for j, (entry, x) in enumerate(zip(saved["leaves"], leaves)):
+                what = f"hyperparameter {j} of {saved['repr']}"
+                if _int_hyperparameter(entry, x):   # written before hyperparameters were floats: widened in build
+                    self.want(entry, what, np.shape(x), _dtype_named(entry["dtype"], what))
+                else:
+                    self._want_like(entry, x, what)
+            self.rules.append((treedef, saved["leaves"], leaves))
+
+    def match_model(self) -> None:
+        """The model's entries, when like= has a model: tied positions hold their parameter's shape and dtype,
+        other arrays like='s (or, where like= has a Python value, the file's)."""
+        if self.like_leaves is None:
+            return
+        entries = self.meta["model"]
+        if entries is None:
+            raise _Mismatch("like= has a model but the checkpoint holds none (it was saved without model=)")
+        if len(entries) != len(self.like_leaves):
+            raise _Malformed("model entries do not match the leaf paths")
+        placed = {}
+        for p in self.params:
+            placed.update({i: (p.shape, p.dtype) for i in p.members})
+            placed.update({t.position: (t.shape, t.dtype) for t in p.transforms})
+        for i, (entry, x) in enumerate(zip(entries, self.like_leaves)):
+            what = f"model leaf {show(self.paths[i])}"
+            if i in placed:
+                self.want(entry, what, *placed[i])
+            elif "array" in entry and isinstance(x, _ARRAYS):
+                self.want(entry, what, np.shape(x), x.dtype)
+            elif "array" in entry:
+                self.want(entry, what)      # like= has a Python value there: the file's array, as saved
+            else:
+                _python(entry, None)        # validate now: nothing may fail once building starts
+        self.model_entries = entries
 
     def want(self, entry: dict, what: str, shape: tuple | None = None, dtype: Any = None) -> None:
         """Read `entry`'s array; if `shape` is given, it must have that shape and dtype (keys: of the keys)."""
-        if not isinstance(entry, dict):
-            raise TypeError(f"{what}: entry is not an object")
         if "array" not in entry:
             raise _Mismatch(f"{what}: the checkpoint has a Python {entry.get('py')}, like= has an array")
         got_shape, got_dtype = tuple(entry["shape"]), entry["dtype"]
         key = entry.get("key")
         if key is not None:      # typed PRNG keys: compare the keys' shape and dtype, not their data's
             if not isinstance(key, str):
-                raise TypeError(f"{what}: key implementation {key!r} is not a name")
-            keys = _key_type(key, got_shape, _dtype(got_dtype, what))
+                raise _Malformed(f"{what}: key implementation {key!r} is not a name")
+            keys = _key_type(key, got_shape, _dtype_named(got_dtype, what))
             if keys is None:
                 raise _Mismatch(f"{what}: the checkpoint holds PRNG keys of implementation {key!r} with data "
                                 f"{got_dtype}{list(got_shape)}, which this JAX cannot rebuild")
             got_shape, got_dtype = keys
-        if shape is not None and (tuple(shape) != got_shape or _name(dtype) != got_dtype):
+        if shape is not None and (tuple(shape) != got_shape or _dtype_name(dtype) != got_dtype):
             raise _Mismatch(f"{what}: the checkpoint has {got_dtype}{list(got_shape)}, like= has "
-                            f"{_name(dtype)}{list(shape)}")
-        self.expect[entry["array"]] = (what, tuple(entry["shape"]), _dtype(entry["dtype"], what), key)
+                            f"{_dtype_name(dtype)}{list(shape)}")
+        self.expect[entry["array"]] = (what, tuple(entry["shape"]), _dtype_named(entry["dtype"], what), key)
 
+    def _want_like(self, entry: dict, x: Any, what: str) -> None:
+        """`entry` where like= has `x`: an array of x's shape and dtype, or a Python value."""
+        if isinstance(x, _ARRAYS):
+            self.want(entry, what, np.shape(x), x.dtype)
+        elif "array" in entry:
+            raise _Mismatch(f"{what}: the checkpoint has an array, like= has a Python {type(x).__name__}")
+        else:
+            _python(entry, x)
 
-def _match(meta: dict, like: State, like_model: Any) -> Any:
-    lay = like.layout
-    paths = list(lay.paths)
-    saved_paths = list(meta["paths"])
-    if saved_paths != paths:
-        raise _Mismatch("the checkpoint was saved from another model: " + _path_diff(saved_paths, paths))
-    where = _first_difference(meta["structure"], _signature(lay.treedef))
-    if where is not None:
-        k, a, b = where
-        raise _Mismatch(f"the model's structure differs near {show(paths[k]) if k < len(paths) else '<end>'}: "
-                        f"the checkpoint has a node {a}, like= has {b}")
-    plan = _Plan()
-
-    # Parameters: the file's tie groups on like's treedef; rule classes and state structures from like.
-    covered: dict[int, str] = {}
-    params, frozen, states, rule_of_saved = [], [], [], {}
-    index = lay.index
-    for u, sp in enumerate(meta["params"]):
-        c = index[sp["canonical"]]
-        where = show(sp["canonical"])
-        try:
-            lu = lay.param(sp["canonical"])
-        except PathError:
-            raise _Mismatch(f"{where} is a parameter in the checkpoint but not a trainable leaf of like=") from None
-        lp = lay.params[lu]
-        shape, dtype = tuple(sp["shape"]), _dtype(sp["dtype"], where)
-        if (shape, dtype) != (lp.shape, jnp.dtype(lp.dtype)):
-            raise _Mismatch(f"parameter {where}: the checkpoint has {dtype.name}{list(shape)}, like= has "
-                            f"{jnp.dtype(lp.dtype).name}{list(lp.shape)}")
-        members = []
-        for m in sp["members"]:
-            i = index[m]
-            q = lay.params[lay.param_of[i]] if lay.param_of[i] >= 0 else None
-            if q is None or (q.shape, jnp.dtype(q.dtype)) != (shape, dtype) or any(t[0] == i for t in q.transforms):
-                raise _Mismatch(f"{show(m)} is tied to {where} in the checkpoint but is not a trainable "
-                                f"{dtype.name}{list(shape)} leaf of like=")
-            members.append(i)
-        transforms = []
-        for tpath, fname, tshape, tdtype in sp["transforms"]:
-            i = index[tpath]
-            f = next((t[1] for q in lay.params for t in q.transforms if t[0] == i), None)
-            if f is None:
-                raise _Mismatch(f"the checkpoint ties {show(tpath)} to {fname}({where}); functions are not "
-                                f"stored, so set up like= with the same tie: ties={{{tpath!r}: ({sp['canonical']!r}, "
-                                f"{fname})}}")
-            if _fname(f) != fname:
-                raise _Mismatch(f"{show(tpath)} is {fname}({where}) in the checkpoint but {_fname(f)}(...) in like=")
-            transforms.append((i, f, tuple(tshape), _dtype(tdtype, tpath)))
-        for i in members + [t[0] for t in transforms]:
-            if i in covered:
-                raise _Mismatch(f"{show(paths[i])} belongs to two parameters ({covered[i]} and {where})")
-            covered[i] = where
-
-        # the rule: like's rule for this parameter must have the saved structure
-        k = sp["rule"]
-        if not isinstance(k, int) or not 0 <= k < len(meta["rules"]):
-            raise TypeError(f"rule index {k!r} out of range")
-        saved_rule = meta["rules"][k]
-        like_rule = like.rules[lp.rule]
-        like_sig = _signature(jax.tree.structure(like_rule))
-        if like_sig != saved_rule["structure"]:
-            raise _Mismatch(f"the rule of {where} differs: the checkpoint has {saved_rule['repr']}, like= has "
-                            f"{_clean(repr(unwrap(like_rule)))}")
-        rule_of_saved.setdefault(k, like_rule)
-
-        # the optimiser state: like's structure, the file's arrays (checked for shape and dtype)
-        like_leaves, like_def = jax.tree_util.tree_flatten(like.param_state(lu))
-        if _signature(like_def) != sp["state_structure"] or len(like_leaves) != len(sp["state"]):
-            raise _Mismatch(f"the optimiser state of {where} has another structure: the checkpoint's rule is "
-                            f"{saved_rule['repr']}, like='s is {_clean(repr(unwrap(like_rule)))}")
-        for j, (entry, x) in enumerate(zip(sp["state"], like_leaves)):
-            _want_like(plan, entry, x, f"optimiser state {j} of {where}")
-        states.append((like_def, sp["state"], like_leaves))
-        params.append(Param(c, tuple(members), shape, dtype, k, tuple(transforms), lp.place))
-        if not isinstance(sp["frozen"], bool):
-            raise TypeError("frozen flag is not a bool")
-        frozen.append(sp["frozen"])
-    for i in range(len(paths)):
-        if lay.param_of[i] >= 0 and i not in covered:
-            raise _Mismatch(f"{show(paths[i])} is a trainable leaf of like= but not a parameter in the checkpoint")
-
-    # rules: like's classes, the file's hyperparameter values
-    rules = []
-    for k, saved_rule in enumerate(meta["rules"]):
-        template = rule_of_saved.get(k)
-        if template is None:
-            template = like.rules[k] if k < len(like.rules) else None
-            if template is None or _signature(jax.tree.structure(template)) != saved_rule["structure"]:
-                raise _Mismatch(f"the checkpoint's rule {saved_rule['repr']} has no counterpart in like=")
-        leaves, treedef = jax.tree_util.tree_flatten(template)
-        if len(leaves) != len(saved_rule["leaves"]):
-            raise TypeError("rule leaves do not match the rule's structure")
-        for j, (entry, x) in enumerate(zip(saved_rule["leaves"], leaves)):
-            what = f"hyperparameter {j} of {saved_rule['repr']}"
-            if _int_hyperparameter(entry, x):   # written before hyperparameters were floats: widened in build
-                plan.want(entry, what, np.shape(x), _dtype(entry["dtype"], what))
-            else:
-                _want_like(plan, entry, x, what)
-        rules.append((treedef, saved_rule["leaves"], leaves))
-    plan.want(meta["step"], "the step counter", (), jnp.int32)
-
-    new_layout = Layout(lay.treedef, tuple(params), tuple(frozen))
-    if new_layout == lay:
-        new_layout = lay          # identical: keep like's (already computed paths, identity comparisons)
-
-    model_entries = meta["model"]
-    if like_model is not _NO_MODEL and model_entries is None:
-        raise _Mismatch("like= has a model but the checkpoint holds none (it was saved without model=)")
-    like_leaves_m = jax.tree.leaves(like_model) if like_model is not _NO_MODEL else None
-    if like_leaves_m is not None:
-        if len(model_entries) != len(like_leaves_m):
-            raise TypeError("model entries do not match the leaf paths")
-        placed = {}
-        for p in params:
-            placed.update({i: (p.shape, p.dtype) for i in p.members})
-            placed.update({t[0]: (t[2], t[3]) for t in p.transforms})
-        for i, entry in enumerate(model_entries):
-            what = f"model leaf {show(paths[i])}"
-            if i in placed:
-                plan.want(entry, what, *placed[i])
-            elif "array" in entry and isinstance(like_leaves_m[i], (jax.Array, np.ndarray, np.generic)):
-                plan.want(entry, what, np.shape(like_leaves_m[i]), like_leaves_m[i].dtype)
-            elif "array" in entry:
-                plan.want(entry, what)      # like= has a Python value there: the file's array, as saved
-            else:
-                _python(entry, None)        # validate now: nothing may fail once building starts
-
-    def build(arrays: dict) -> Any:
-        # Pass 1: decide every leaf (a Python value, or which array goes where); pass 2: move all arrays to
-        # their devices in two batched transfers; pass 3: assemble. Tied members share one transfer.
+    # ----------------------------------------------------------------------------------------- building
+    def build(self, arrays: dict) -> Any:
+        """The loaded `State` (and model) from `arrays` (what `expect` names, read and checked). Pass 1 decides
+        every leaf (a Python value, or which array goes where); pass 2 moves all arrays to their devices in two
+        batched transfers; pass 3 assembles. Tied members share one transfer."""
         slots: dict = {}
 
         def put(entry: dict, like_x: Any) -> Any:
             if "array" not in entry:
                 return _Value(_python(entry, like_x))
-            key = (entry["array"], _placement(like_x))
+            key = (entry["array"], _destination(like_x))
             return slots.setdefault(key, _Slot(key))
 
-        rule_parts = [(td, [put(e, x) for e, x in zip(es, xs)]) for td, es, xs in rules]
-        state_parts = [(td, [put(e, x) for e, x in zip(es, xs)]) for td, es, xs in states]
-        out: list = []
-        if like_leaves_m is not None:
-            out = [None] * len(like_leaves_m)
-            for p in params:                 # one array object per tie group
-                value = put(model_entries[p.canonical], like_leaves_m[p.canonical])
+        rule_parts = [(td, [put(e, x) for e, x in zip(es, xs)]) for td, es, xs in self.rules]
+        state_parts = [(td, [put(e, x) for e, x in zip(es, xs)]) for td, es, xs in self.states]
+        model_parts: list = []
+        if self.like_leaves is not None:
+            entries, like_leaves = self.model_entries, self.like_leaves
+            model_parts = [None] * len(like_leaves)
+            for p in self.params:                 # one array object per tie group
+                value = put(entries[p.canonical], like_leaves[p.canonical])
                 for i in p.members:
-                    out[i] = value
-            for i, (entry, x) in enumerate(zip(model_entries, like_leaves_m)):
-                if out[i] is None:
-                    out[i] = put(entry, x)
+                    model_parts[i] = value
+            for i, (entry, x) in enumerate(zip(entries, like_leaves)):
+                if model_parts[i] is None:
+                    model_parts[i] = put(entry, x)
 
-        plain = [sl for sl in slots.values() if sl.key[1] is None]
-        placed = [sl for sl in slots.values() if sl.key[1] is not None and sl.key[1] is not _HOST]
-        for sl in slots.values():
-            if sl.key[1] is _HOST:
-                sl.value = arrays[sl.key[0]]
-        for group, values in ((plain, jax.device_put([arrays[sl.key[0]] for sl in plain])),
-                              (placed, jax.device_put([arrays[sl.key[0]] for sl in placed],
-                                                      [sl.key[1] for sl in placed]))):
-            for sl, v in zip(group, values):
-                sl.value = v
+        _transfer(list(slots.values()), arrays)
 
-        new_rules = tuple(jax.tree_util.tree_unflatten(td, [_widen(v.value, x) for v, x in zip(vs, xs)])
-                          for (td, vs), (_, _, xs) in zip(rule_parts, rules))
-        new_states = tuple(jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts)
-        step = jnp.asarray(arrays[meta["step"]["array"]], jnp.int32)
-        state = State.of_params(new_layout, new_rules, list(new_states), step)
-        if new_layout == like.layout:     # stacks go where like='s stacks are (the same shardings, spelled alike)
-            state = State(new_layout, new_rules, jax.tree.map(_place_like, state.stacks, like.stacks), step)
-        if like_leaves_m is None:
+        rules = tuple(jax.tree_util.tree_unflatten(td, [_widen(v.value, x) for v, x in zip(vs, xs)])
+                      for (td, vs), (_, _, xs) in zip(rule_parts, self.rules))
+        states = [jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts]
+        step = jnp.asarray(arrays[self.meta["step"]["array"]], jnp.int32)
+        state = State.of_params(self.layout, rules, states, step)
+        if self.layout == self.like.layout:     # stacks go where like='s are (the same shardings, spelled alike)
+            state = State(self.layout, rules, jax.tree.map(_place_like, state.stacks, self.like.stacks), step)
+        if self.like_leaves is None:
             return state
-        return state, lay.treedef.unflatten([v.value for v in out])
+        return state, self.like.layout.treedef.unflatten([v.value for v in model_parts])
 
-    plan.build = build
-    return plan
+
+def _transfer(slots: list, arrays: dict) -> None:
+    """Fill every slot with its array, where it goes (`_destination`): host arrays as they are, the others in two
+    batched transfers (to the default device; to their shardings)."""
+    plain = [sl for sl in slots if sl.key[1] is None]
+    placed = [sl for sl in slots if sl.key[1] is not None and sl.key[1] is not _HOST]
+    for sl in slots:
+        if sl.key[1] is _HOST:
+            sl.value = arrays[sl.key[0]]
+    for group, values in ((plain, jax.device_put([arrays[sl.key[0]] for sl in plain])),
+                          (placed, jax.device_put([arrays[sl.key[0]] for sl in placed],
+                                                  [sl.key[1] for sl in placed]))):
+        for sl, v in zip(group, values):
+            sl.value = v
 
 
 def _place_like(a: Any, like: Any) -> Any:
@@ -609,7 +672,7 @@ class _Value:
 
 
 class _Slot:
-    """One array to load, and where it goes: `(array name, sharding or None)`; filled in by `build`."""
+    """One array to load, and where it goes: `(array name, _destination(like's leaf))`; filled in by `build`."""
 
     __slots__ = ("key", "value")
 
@@ -621,7 +684,7 @@ def _int_hyperparameter(entry: Any, x: Any) -> bool:
     """An integer hyperparameter in the file where like= has a floating one: files written before optim stored
     hyperparameters given as ints (`Descent(1)`) as floats. They load, widened to like='s dtype."""
     if not (isinstance(entry, dict) and "array" in entry and "key" not in entry and isinstance(entry.get("dtype"), str)
-            and isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)):
+            and isinstance(x, _ARRAYS) and jnp.issubdtype(x.dtype, jnp.floating)):
         return False
     try:
         return bool(np.issubdtype(np.dtype(entry["dtype"]), np.integer))
@@ -636,13 +699,70 @@ def _widen(v: Any, like_x: Any) -> Any:
     return v
 
 
-def _want_like(plan: _Plan, entry: dict, x: Any, what: str) -> None:
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        plan.want(entry, what, np.shape(x), x.dtype)
-    elif "array" in entry:
-        raise _Mismatch(f"{what}: the checkpoint has an array, like= has a Python {type(x).__name__}")
-    else:
-        _python(entry, x)
+def _check_description(meta: dict) -> None:
+    """Check that the description has the form `save` writes, so that matching it against like= may index it
+    freely: every part's keys and container types, array shapes, and paths that name the file's leaves. What
+    values mean (dtypes, Python values, where arrays lie) is checked where they are used. Raises `_Malformed`."""
+    paths = meta.get("paths")
+    if not (isinstance(paths, list) and all(isinstance(p, str) for p in paths) and len(set(paths)) == len(paths)):
+        raise _Malformed("the leaf paths are not a list of distinct strings")
+    known = set(paths)
+    _check_fields(meta, _DESCRIPTION, "the description")
+    if not (meta["model"] is None or isinstance(meta["model"], list)):
+        raise _Malformed("the model entries are not a list")
+    for k, rule in enumerate(meta["rules"]):
+        _check_fields(rule, _RULE, f"rule {k}")
+        _check_entries(rule["leaves"], f"the hyperparameters of rule {k}")
+    for u, sp in enumerate(meta["params"]):
+        what = f"parameter {u}"
+        _check_fields(sp, _PARAM, what)
+        k = sp["rule"]
+        if not 0 <= k < len(meta["rules"]):
+            raise _Malformed(f"rule index {k!r} out of range")
+        if not (sp["canonical"] in known and all(isinstance(m, str) and m in known for m in sp["members"])
+                and _is_shape(sp["shape"])):
+            raise _Malformed(f"{what}: its paths or shape are malformed")
+        for t in sp["transforms"]:
+            if not (isinstance(t, list) and len(t) == 4 and isinstance(t[0], str) and t[0] in known
+                    and isinstance(t[1], str) and _is_shape(t[2])):
+                raise _Malformed(f"{what}: transformed member {t!r} is malformed")
+        _check_entries(sp["state"], f"the optimiser state of {what}")
+    _check_entries([meta["step"]], "the step counter")
+    _check_entries(meta["model"] or (), "the model")
+
+
+# the keys each part of a description has, and their types (`object`: checked where used)
+_DESCRIPTION = {"structure": list, "rules": list, "params": list, "step": object, "model": object}
+_RULE = {"repr": str, "structure": list, "leaves": list}
+_PARAM = {"canonical": str, "members": list, "transforms": list, "shape": list, "dtype": object, "rule": int,
+          "frozen": bool, "state_structure": list, "state": list}
+_ARRAY_ENTRY = {"array": str, "shape": list, "dtype": object, "offset": object, "nbytes": object}
+
+
+def _check_fields(obj: Any, fields: dict, what: str) -> None:
+    if not isinstance(obj, dict):
+        raise _Malformed(f"{what} is not an object")
+    for key, kind in fields.items():
+        if key not in obj:
+            raise _Malformed(f"{what}: {key!r} is missing")
+        if not isinstance(obj[key], kind):
+            raise _Malformed(f"{what}: {key!r} is a {type(obj[key]).__name__}, not a {kind.__name__}")
+
+
+def _check_entries(entries: Any, what: str) -> None:
+    """Leaf entries (`_Writer.leaf`): an array's name, shape, dtype and place in the data, or a Python value."""
+    for j, e in enumerate(entries):
+        if isinstance(e, dict) and "array" in e:
+            if e.keys() >= _ARRAY_ENTRY.keys() and isinstance(e["array"], str) and _is_shape(e["shape"]):
+                continue         # the common case, checked fast: a model may have tens of thousands of entries
+            _check_fields(e, _ARRAY_ENTRY, f"{what}, entry {j}")
+            raise _Malformed(f"{what}, entry {j}: shape {e['shape']!r} is not a list of sizes")
+        elif not (isinstance(e, dict) and "py" in e and ("value" in e or e["py"] == "skip")):
+            raise _Malformed(f"{what}, entry {j}: {e!r} is neither an array nor a Python value")
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list) and all(type(n) is int and n >= 0 for n in x)
 
 
 def _read_arrays(path: str, meta: dict, npz: Any, expect: dict) -> dict:
@@ -729,6 +849,11 @@ def _walk(treedef) -> list[str]:
     return out
 
 
+def _rule_repr(rule: Any) -> str:
+    """How a description names a rule."""
+    return _clean(repr(unwrap(rule)))
+
+
 def _first_difference(saved: list, like: list):
     """`(leaf index, saved node, like node)` at the first differing node, or None."""
     leaf = 0
@@ -742,60 +867,47 @@ def _first_difference(saved: list, like: list):
     return None
 
 
-def _path_diff(saved: list[str], like: list[str]) -> str:
-    s, l_ = set(saved), set(like)
-    only_saved = [p for p in saved if p not in l_]
-    only_like = [p for p in like if p not in s]
-    parts = []
-    if only_saved:
-        parts.append("like= lacks " + ", ".join(map(show, only_saved[:5])) + (" ..." if len(only_saved) > 5 else ""))
-    if only_like:
-        parts.append("the checkpoint lacks " + ", ".join(map(show, only_like[:5]))
-                     + (" ..." if len(only_like) > 5 else ""))
-    if not parts:
-        k = next(k for k, (a, b) in enumerate(zip(saved, like)) if a != b)
-        parts.append(f"leaf order differs at position {k}: {show(saved[k])} vs {show(like[k])}")
-    return "; ".join(parts)
-
-
-def _fname(f: Any) -> str:
-    return getattr(f, "__name__", type(f).__name__)
-
-
-def _storable(dt: np.dtype) -> bool:
-    return dt == np.bool_ or bool(jnp.issubdtype(dt, jnp.number))
-
-
 _DTYPES: dict = {}
 
 
-def _dtype(name: Any, what: str) -> np.dtype:
-    """A dtype named in the file: only numbers and bools (never object dtypes)."""
-    dt = _DTYPES.get(name) if isinstance(name, str) else None
+def _storable_dtype(name: Any) -> np.dtype | None:
+    """The dtype named `name` if a checkpoint can hold it (numbers and bools, never object dtypes), else None.
+    Cached."""
+    if not isinstance(name, str):
+        return None
+    dt = _DTYPES.get(name)
     if dt is None:
         try:
-            dt = jnp.dtype(name) if isinstance(name, str) else None
+            dt = jnp.dtype(name)
         except TypeError:
-            dt = None
-        if dt is None or not _storable(dt):
-            raise TypeError(f"{what}: unknown dtype {name!r}")
+            return None
+        if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
+            return None
         _DTYPES[name] = dt
     return dt
 
 
-def _name(dtype: Any) -> str:
-    """`jnp.dtype(dtype).name`, cached (numpy computes names slowly)."""
+def _dtype_named(name: Any, what: str) -> np.dtype:
+    """The dtype the file names `name` for `what`."""
+    dt = _storable_dtype(name)
+    if dt is None:
+        raise _Malformed(f"{what}: unknown dtype {name!r}")
+    return dt
+
+
+def _dtype_name(dtype: Any) -> str:
+    """`jnp.dtype(dtype).name`, cached (numpy computes names slowly); typed PRNG keys' dtypes ('key<fry>'),
+    which are not numpy dtypes, by their str."""
     try:
-        return _NAMES[dtype]
+        return _DTYPE_NAMES[dtype]
     except (KeyError, TypeError):
-        # typed PRNG keys' dtypes ('key<fry>') are not numpy dtypes
         name = str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else jnp.dtype(dtype).name
         with contextlib.suppress(TypeError):
-            _NAMES[dtype] = name
+            _DTYPE_NAMES[dtype] = name
         return name
 
 
-_NAMES: dict = {}
+_DTYPE_NAMES: dict = {}
 
 
 def _key_type(impl: str, shape: tuple, dtype: Any) -> tuple | None:
@@ -813,10 +925,11 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(a, order="C").reshape(-1).view(np.uint8)).hexdigest()
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)      # what a checkpoint stores as arrays
 _HOST = "host"
 
 
-def _placement(x: Any) -> Any:
+def _destination(x: Any) -> Any:
     """Where a loaded array goes, following its counterpart in `like`:
 
     - a numpy array (what `setup` gives for state on the default device): stays a read-only numpy array, which

@@ -86,15 +86,17 @@ def prefixes(path: str) -> list[str]:
     return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def structure_diff(expected: list[str], got: list[str]) -> str:
-    """Explain how two lists of leaf paths differ, for structure-mismatch errors."""
-    missing = [p for p in expected if p not in set(got)]
-    extra = [p for p in got if p not in set(expected)]
+def structure_diff(expected: list[str], got: list[str], missing: str = "missing",
+                   unexpected: str = "unexpected") -> str:
+    """Explain how two lists of leaf paths differ, for structure-mismatch errors; `missing` and `unexpected`
+    introduce the paths only `expected` has and those only `got` has."""
+    expected_set, got_set = set(expected), set(got)
+    only_expected = [p for p in expected if p not in got_set]
+    only_got = [p for p in got if p not in expected_set]
     parts = []
-    if missing:
-        parts.append("missing " + ", ".join(show(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else ""))
-    if extra:
-        parts.append("unexpected " + ", ".join(show(p) for p in extra[:5]) + (" ..." if len(extra) > 5 else ""))
+    for label, only in ((missing, only_expected), (unexpected, only_got)):
+        if only:
+            parts.append(f"{label} " + ", ".join(show(p) for p in only[:5]) + (" ..." if len(only) > 5 else ""))
     if not parts:
         for a, b in zip(expected, got):
             if a != b:
