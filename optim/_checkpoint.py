@@ -131,7 +131,7 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
 
 
 def _param_states(state: State) -> list:
-    """One optimiser state per parameter. The file stores them per parameter (not per stacking group), so it
+    """One optimiser state per parameter. The file stores them per parameter (not per stack), so it
     does not depend on how a version of optim groups parameters. Stacks are fetched to the host once and sliced
     there, when this process can see all of them."""
     stacks = state.stacks

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._hyper import canonical_numbers
-from ._stack import init_group, placement
+from ._stack import init_stack, placement
 from ._step import is_rule
 from ._state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from ._ties import tie_groups, tie_positions
@@ -94,9 +94,9 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
         layout.__dict__["paths"] = paths.computed
     rules = tuple(_canonical_hyper(r) for r in rules)
     cache: dict = {}
-    stacks = tuple(init_group(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
+    stacks = tuple(init_stack(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
                               lambda g=g: paths[params[g[0]].canonical], cache,
-                              local=not traced and params[g[0]].place is None) for g in layout.groups)
+                              local=not traced and params[g[0]].place is None) for g in layout.stacks)
     state = State(layout, rules, stacks, jnp.zeros((), jnp.int32))
     if like is not None:
         state = _keep_matching(like, state)

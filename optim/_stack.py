@@ -1,6 +1,6 @@
 """Stacks: the optimiser states of parameters with one rule, shape, dtype and placement, stored as one array
-per state field with a leading axis over the parameters. How parameters are grouped (`stacking_groups`), how a
-stack's initial state is made where its parameters live (`init_group`), and how rows are read and written
+per state field with a leading axis over the parameters. How parameters are grouped (`make_stacks`), how a
+stack's initial state is made where its parameters live (`init_stack`), and how rows are read and written
 (`take_rows`, `put_rows`).
 """
 
@@ -27,8 +27,8 @@ STACK_MAX_SIZE = 8192
 STACK_MAX_MEMBERS = 64
 
 
-def stacking_groups(params: tuple) -> tuple[tuple[int, ...], ...]:
-    """Partition parameter indices into stacking groups: same rule, shape, dtype and placement; small ones
+def make_stacks(params: tuple) -> tuple[tuple[int, ...], ...]:
+    """Partition parameter indices into stacks: same rule, shape, dtype and placement; small ones
     together (at most `STACK_MAX_MEMBERS`), large ones alone. Deterministic, in parameter order."""
     by_key: dict = {}
     out: list[list[int]] = []
@@ -45,12 +45,12 @@ def stacking_groups(params: tuple) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in out)
 
 
-def init_group(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,
+def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,
                local: bool | None = None) -> Any:
-    """The stacked initial state of one group: `rule.init` of each of `xs`, stacked on a new leading axis.
+    """The initial state of one stack: `rule.init` of each of `xs`, stacked on a new leading axis.
 
     An init that does not read the parameter's values (zeros, constants: every built-in rule but
-    MixedPrecision) runs once per (rule, shape, dtype); the group's state is then a read-only host (numpy)
+    MixedPrecision) runs once per (rule, shape, dtype); the stack's state is then a read-only host (numpy)
     broadcast of it, which the first `update` moves to the device inside jit's argument handling. Creating
     device arrays costs ~60 us of Python each; this keeps `setup` at about a microsecond per parameter.
     Parameters that are not numpy or single-device arrays (sharded, traced) get a jitted, vmapped init that
@@ -114,7 +114,7 @@ def stack_arrays(xs: list) -> jax.Array:
 
 
 def _placed_init(rule: Any, xs: list) -> Any:
-    """The stacked state of a group placed like `xs[0]` from the vmapped `rule.init`, creating every state
+    """The state of a stack placed like `xs[0]` from the vmapped `rule.init`, creating every state
     array where it will be used: arrays with the stacked parameters' shape get their sharding (FSDP / ZeRO:
     each device holds the state of its own shard), the rest (Adam's beta powers) are replicated over the same
     devices. Jitted, so a sharded parameter's state is never materialised whole on one device, and the

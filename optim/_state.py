@@ -2,7 +2,7 @@
 against (`setup` builds them: `optim/_setup.py`; stacks are made and sliced in `optim/_stack.py`).
 
 A `State` is a pytree. Its leaves are the rules' hyperparameters and the optimiser state, stored *stacked*:
-parameters with the same rule, shape, dtype and placement form stacks (`Layout.groups`), and each stack holds
+parameters with the same rule, shape, dtype and placement form stacks (`Layout.stacks`), and each stack holds
 one array per state field with a leading axis over its parameters. `update` then runs a rule once per stack
 (vmapped), so the compiled program does not grow with the number of small leaves; `state[path]` slices a
 parameter's own state out. The static part, the `Layout`, holds the model's treedef, every leaf's dotted path,
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._stack import stack_states, stacking_groups
+from ._stack import stack_states, make_stacks
 from ._tree import describe, flatten, show, suggest, unique_index
 
 
@@ -48,7 +48,7 @@ class Param:
     # Positions that hold f(canonical) rather than the canonical array itself
     transforms: tuple[TiedCopy, ...] = ()
     # Where the parameter lives when it is not an ordinary single-device array (its sharding): only parameters
-    # placed alike are stacked together. Not part of equality: the layout compares its groups instead.
+    # placed alike are stacked together. Not part of equality: the layout compares its stacks instead.
     place: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -74,18 +74,18 @@ class Layout:
             for i in p.members + tuple(t.position for t in p.transforms):
                 param_of[i] = u
         object.__setattr__(self, "param_of", tuple(param_of))
-        # The stacking groups: tuples of parameter indices whose states are stored stacked, in this order.
-        object.__setattr__(self, "groups", stacking_groups(self.params))
+        # The stacks: tuples of parameter indices whose states are stored stacked, in this order.
+        object.__setattr__(self, "stacks", make_stacks(self.params))
         # Hashing 10000 Params costs ~10 ms; equal layouts already agree on everything below, and `__eq__`
         # compares the params themselves.
-        object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.groups)))
+        object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.stacks)))
 
     @functools.cached_property
     def slot(self) -> tuple[tuple[int, int], ...]:
-        """Per parameter: (its group, its position in the group's stack)."""
+        """Per parameter: (its stack, its row in the stack)."""
         out: list = [None] * len(self.params)
-        for g, members in enumerate(self.groups):
-            for k, u in enumerate(members):
+        for g, stack in enumerate(self.stacks):
+            for k, u in enumerate(stack):
                 out[u] = (g, k)
         return tuple(out)
 
@@ -96,7 +96,7 @@ class Layout:
         if self is other:
             return True
         return (isinstance(other, Layout) and self._hash == other._hash and self.treedef == other.treedef
-                and self.params == other.params and self.frozen == other.frozen and self.groups == other.groups)
+                and self.params == other.params and self.frozen == other.frozen and self.stacks == other.stacks)
 
     @functools.cached_property
     def paths(self) -> tuple[str, ...]:
@@ -194,18 +194,18 @@ class State:
     def __init__(self, layout: Layout, rules: tuple, stacks: tuple, step: Any):
         self.layout = layout
         self.rules = rules      # one entry per distinct rule; Param.rule indexes into it
-        self.stacks = stacks    # per stacking group (Layout.groups): its members' states, stacked on axis 0
+        self.stacks = stacks    # per stack (Layout.stacks): its parameters' states, stacked on axis 0
         self.step = step        # number of update calls so far: what schedules are evaluated at
 
     @classmethod
     def of_params(cls, layout: Layout, rules: tuple, states: list, step: Any) -> "State":
-        """A state from one optimiser state per parameter (in `layout.params` order), stacked per group."""
-        return cls(layout, rules, tuple(stack_states([states[u] for u in g]) for g in layout.groups), step)
+        """A state from one optimiser state per parameter (in `layout.params` order), stacked per stack."""
+        return cls(layout, rules, tuple(stack_states([states[u] for u in g]) for g in layout.stacks), step)
 
     def param_state(self, u: int) -> Any:
-        """The optimiser state of parameter `u`: its row of its group's stack (numpy stays numpy). A state
+        """The optimiser state of parameter `u`: its row of its stack (numpy stays numpy). A state
         that went through `vmap` / `pmap` (`jax.tree.map(lambda a: jnp.stack([a, a]), state)`) has extra
-        leading axes; they are kept, and the row is taken on the group's axis after them."""
+        leading axes; they are kept, and the row is taken on the stack's axis after them."""
         g, k = self.layout.slot[u]
         stack = self.stacks[g]
         leaves, treedef = jax.tree_util.tree_flatten(stack)
@@ -217,12 +217,12 @@ class State:
         return [self.param_state(u) for u in range(len(self.layout.params))]
 
     def with_param_states(self, new: Mapping[int, Any]) -> "State":
-        """This state with the states of some parameters (`{index: state}`) replaced; untouched groups keep
+        """This state with the states of some parameters (`{index: state}`) replaced; untouched stacks keep
         their arrays."""
         stacks = list(self.stacks)
         for g in sorted({self.layout.slot[u][0] for u in new}):
-            members = self.layout.groups[g]
-            stacks[g] = stack_states([new[u] if u in new else self.param_state(u) for u in members])
+            stack = self.layout.stacks[g]
+            stacks[g] = stack_states([new[u] if u in new else self.param_state(u) for u in stack])
         return State(self.layout, self.rules, tuple(stacks), self.step)
 
     def tree_flatten_with_keys(self):
@@ -261,7 +261,7 @@ class State:
             yield path, self[path]
 
     def ties(self) -> dict[str, tuple[str, ...]]:
-        """`{canonical_path: (other tied paths, ...)}` for every group of more than one position."""
+        """`{canonical_path: (other tied paths, ...)}` for every tie group of more than one position."""
         paths = self.layout.paths
         return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:])
                 + tuple(paths[t.position] for t in p.transforms)
@@ -291,7 +291,7 @@ _NDIMS: dict = {}
 
 def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
     """The ndim of each of one parameter's state arrays, without stacking (from the rule's init, cached per
-    rule structure, shape and dtype): how `param_state` finds the group axis behind any batch axes."""
+    rule structure, shape and dtype): how `param_state` finds the stack axis behind any batch axes."""
     p = state.layout.params[u]
     rule = unwrap(state.rules[p.rule])
     key = (jax.tree.structure(rule), p.shape, p.dtype, treedef)

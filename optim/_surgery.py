@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._adjust import select
-from ._stack import init_group, reads_nothing
+from ._stack import init_stack, reads_nothing
 from ._state import Layout, Param, PathError, State, unwrap
 from ._tree import PyTree, _key_name, show
 from ._update import flatten_like
@@ -40,7 +40,7 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
             raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
                              "value; pass model=")
         x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)
-        stacked = init_group(rule, [x], lambda p=p: lay.paths[p.canonical])
+        stacked = init_stack(rule, [x], lambda p=p: lay.paths[p.canonical])
         new[u] = jax.tree.map(lambda a: a[0], stacked)
     return state.with_param_states(new)
 

@@ -1,9 +1,9 @@
 """`update`: one jitted computation over the deduplicated parameters of a model.
 
 Reading order: `update` (what runs per call) -> `_program` (the static plan, built once per structure) ->
-`_core` (the traced computation). Inside `_core`, each stacking group of parameters (`Layout.groups`: same
-rule, shape, dtype, placement) runs its rule once, vmapped over the group's stacked state, so the program has
-a handful of kernels per group plus one small kernel per parameter that writes its new value. Per call,
+`_core` (the traced computation). Inside `_core`, each stack of parameters (`Layout.stacks`: same
+rule, shape, dtype, placement) runs its rule once, vmapped over the stack's state, so the program has
+a handful of kernels per stack plus one small kernel per parameter that writes its new value. Per call,
 `update` flattens the model and each gradient tree (C++), looks the plan up by treedefs, gathers the arrays it
 needs with `operator.itemgetter` (C speed, no per-leaf Python), calls the jitted `_core`, and puts the results
 back the same way. Everything shape- or dtype-dependent is checked
@@ -50,10 +50,10 @@ class Program:
     # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
     grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
     out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
-    step_groups: tuple[int, ...]          # stacking groups with at least one stepping parameter
-    # per such group: (rows of its stack that step, their indices into `graded`, into `stepping`)
-    group_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
-    stack_src: tuple[int, ...]            # per group: index into new_stacks + old stacks
+    step_stacks: tuple[int, ...]          # stacks with at least one stepping parameter
+    # per such stack: (its rows that step, their indices into `graded`, into `stepping`)
+    stack_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+    stack_src: tuple[int, ...]            # per stack: index into new_stacks + old stacks
     # its jitted callables (see `_jitted`), made on first use: [core, core donating, sums]
     jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
@@ -96,7 +96,7 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     run = prog.jitted[k] or _jitted(prog, k)
     try:
         new_stacks, new_params, step, summed = run(
-            return_grads, state.rules, _take(state.stacks, prog.step_groups),
+            return_grads, state.rules, _take(state.stacks, prog.step_stacks),
             _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
@@ -270,15 +270,15 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
     out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
     graded_at = {u: a for a, u in enumerate(graded)}
     stepping_at = {u: a for a, u in enumerate(stepping)}
-    step_groups, plan = [], []
-    for g, members in enumerate(lay.groups):
-        rows = tuple(k for k, u in enumerate(members) if u in stepping_at)
+    step_stacks, plan = [], []
+    for g, stack in enumerate(lay.stacks):
+        rows = tuple(k for k, u in enumerate(stack) if u in stepping_at)
         if rows:
-            step_groups.append(g)
-            plan.append((rows, tuple(graded_at[members[k]] for k in rows),
-                         tuple(stepping_at[members[k]] for k in rows)))
-    stack_src = [len(step_groups) + g for g in range(len(lay.groups))]
-    for j, g in enumerate(step_groups):
+            step_stacks.append(g)
+            plan.append((rows, tuple(graded_at[stack[k]] for k in rows),
+                         tuple(stepping_at[stack[k]] for k in rows)))
+    stack_src = [len(step_stacks) + g for g in range(len(lay.stacks))]
+    for j, g in enumerate(step_stacks):
         stack_src[g] = j
     extra = len(stepping)
     for a, u in enumerate(stepping):
@@ -290,7 +290,7 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
     canon = {lay.params[u].canonical for u in graded}
     check = tuple(i for p in lay.params for i in p.members + tuple(t.position for t in p.transforms) if i not in canon)
     return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
-                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_groups), tuple(plan),
+                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_stacks), tuple(plan),
                    tuple(stack_src))
 
 
@@ -358,23 +358,23 @@ def _core(prog: Program, want_grads: bool, rules: tuple, stacks: tuple, params: 
     summed = _sums(prog, params, grads)
     rules = resolve(tuple(unwrap(r) for r in rules), step)
     by_rule: dict[int, list[int]] = {}
-    for j, g in enumerate(prog.step_groups):
-        by_rule.setdefault(lay.params[lay.groups[g][0]].rule, []).append(j)
-    new_stacks: list = [None] * len(prog.step_groups)
+    for j, g in enumerate(prog.step_stacks):
+        by_rule.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
+    new_stacks: list = [None] * len(prog.step_stacks)
     new_params: list = [None] * len(prog.stepping)
     for r, js in by_rule.items():
-        # Each group runs as one stack: its stepping rows of state, parameters and summed gradients.
+        # Each stack runs as one: its stepping rows of state, parameters and summed gradients.
         olds, xs, dxs = [], [], []
         for j in js:
-            rows, gi, _ = prog.group_plan[j]
-            olds.append(take_rows(stacks[j], rows, len(lay.groups[prog.step_groups[j]])))
+            rows, gi, _ = prog.stack_plan[j]
+            olds.append(take_rows(stacks[j], rows, len(lay.stacks[prog.step_stacks[j]])))
             xs.append(stack_arrays([params[i] for i in gi]))
             # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
             dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
         sts, steps = apply_all(rules[r], olds, xs, dxs)
         for j, old, st, d in zip(js, olds, sts, steps):
-            rows, gi, ai = prog.group_plan[j]
-            n = len(lay.groups[prog.step_groups[j]])
+            rows, gi, ai = prog.stack_plan[j]
+            n = len(lay.stacks[prog.step_stacks[j]])
             new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, old), n)
             for m, (i, a) in enumerate(zip(gi, ai)):
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the

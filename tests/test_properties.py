@@ -11,7 +11,7 @@ Invariants (one test each):
 2. no-gradient and frozen parameters keep their value (eagerly: their object) and their optimiser state;
    non-trainable leaves come back as the same objects;
 3. a tied parameter steps exactly like a lone parameter given the sum of its group's gradients (parameters of
-   equal shape share a stacked state, `Layout.groups`, often with some rows not stepping: this also checks the
+   equal shape share a stacked state, `Layout.stacks`, often with some rows not stepping: this also checks the
    stacked path against a stack of one and against a float64 formula);
 4. eager `update` agrees with `jax.jit(optim.update)` (and `eqx.filter_jit` for models with Python leaves);
 5. the model, gradient trees and state passed in are never modified.

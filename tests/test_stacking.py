@@ -1,4 +1,4 @@
-"""Stacked optimiser state (`Layout.groups`): `update` runs each rule once per group of same-shaped parameters.
+"""Stacked optimiser state (`Layout.stacks`): `update` runs each rule once per group of same-shaped parameters.
 The fast path must give the numbers of the straightforward per-leaf path: every rule's own `apply` called on
 each parameter alone. Bitwise where XLA computes the same expression; a few ulp where a reduction (ClipNorm's
 norm, Muon's matrix products) is batched and XLA may sum in another order."""
@@ -136,7 +136,7 @@ def test_groups_follow_rule_shape_dtype_and_size(monkeypatch):
          "e": jnp.ones(4)}
     m["big"], m["big2"] = jnp.ones(optim_stack.STACK_MAX_SIZE + 1), jnp.ones(optim_stack.STACK_MAX_SIZE + 1)
     state = optim.setup(lambda path, x: optim.Adam() if path != "e" else optim.Momentum(), m)
-    groups = [[state.layout.paths[state.layout.params[u].canonical] for u in g] for g in state.layout.groups]
+    groups = [[state.layout.paths[state.layout.params[u].canonical] for u in g] for g in state.layout.stacks]
     assert groups == [["a", "b"], ["big"], ["big2"], ["c"], ["d"], ["e"]]
     # chunked groups, a partial step in each: equal to per-leaf numbers
     g = {k: jnp.full(v.shape, 0.5, v.dtype) for k, v in m.items()}
