@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute
+from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
 
 __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
@@ -823,15 +823,7 @@ class ClipNorm(Rule):
             raise TypeError(f"ClipNorm: p must be a number (2, 1, float('inf'), ...), got {self.p!r}")
 
     def apply(self, state, x, dx, *dxs):
-        return state, dx * _clip_factor(as_compute(self.max_norm, x), _pnorm(dx, float(self.p)))
-
-
-def _clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
-    """`min(max_norm / norm, 1)`, but exactly 1 when the norm is within bounds: a zero gradient with
-    `max_norm = 0` would otherwise give 0 / 0 = NaN. A NaN norm still gives NaN (a NaN step, not a silently
-    unclipped one)."""
-    ok = norm <= max_norm
-    return jnp.where(ok, 1, max_norm / jnp.where(ok, 1, norm)).astype(max_norm.dtype)
+        return state, dx * clip_factor(as_compute(self.max_norm, x), _pnorm(dx, float(self.p)))
 
 
 # ----------------------------------------------------------------------------------------------- Muon

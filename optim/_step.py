@@ -193,6 +193,14 @@ def _pair(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------------------------- executor
+def clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
+    """`min(max_norm / norm, 1)`, but exactly 1 when the norm is within bounds: a zero gradient with
+    `max_norm = 0` would otherwise give 0 / 0 = NaN. A NaN norm still gives NaN (a NaN step, not a silently
+    unclipped one)."""
+    ok = norm <= max_norm
+    return jnp.where(ok, 1, max_norm / jnp.where(ok, 1, norm)).astype(max_norm.dtype)
+
+
 def is_rule(v: Any) -> bool:
     """Whether `v` is a rule: it has `init(x)` and `apply(state, x, dx, *dxs)` (subclassing `Rule` is optional)."""
     return callable(getattr(v, "init", None)) and callable(getattr(v, "apply", None))

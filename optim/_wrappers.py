@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ._schedules import Hyper
-from ._rules import _clip_factor
-from ._step import Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute
+from ._step import (Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute,
+                    clip_factor)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "joint_norm"]
@@ -242,7 +242,7 @@ class ClipGlobalNorm(Rule):
     def apply_tree(self, states, xs, dxs):
         g = [d[0] for d in dxs]
         norm = joint_norm(g)
-        return list(states), [d * _clip_factor(as_compute(self.max_norm, d), norm.astype(_real(d))) for d in g]
+        return list(states), [d * clip_factor(as_compute(self.max_norm, d), norm.astype(_real(d))) for d in g]
 
 
 class SkipNonFinite(Rule):
