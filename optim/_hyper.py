@@ -34,7 +34,8 @@ def is_schedule(v: Any) -> bool:
     return isinstance(v, Schedule)
 
 
-def _concrete(v: Any) -> bool:
+def is_concrete(v: Any) -> bool:
+    """Not a tracer: a value the constructor can check."""
     return not isinstance(v, jax.core.Tracer)
 
 
@@ -77,7 +78,7 @@ def hyper(owner: str, name: str, v: Any, check: str = "nonneg") -> Any:
     if not _is_numeric(v):
         raise TypeError(f"{owner}: {name} must be a real number, an array or an optim schedule, "
                         f"got {type(v).__name__} {v!r}")
-    if _concrete(v):
+    if is_concrete(v):
         a = np.asarray(v, dtype=np.float64)
         test, says = RANGES[check]
         if not np.all(np.isfinite(a)) or not np.all(test(a)):
@@ -100,7 +101,7 @@ def count(owner: str, name: str, v: Any, minimum: int = 1) -> Any:
     """A hyperparameter that counts something (`AccumGrad.n`): an integer >= `minimum`, stored as given."""
     if isinstance(v, (bool, np.bool_)) or not _is_numeric(v):
         raise TypeError(f"{owner}: {name} must be an integer, got {type(v).__name__} {v!r}")
-    if _concrete(v):
+    if is_concrete(v):
         a = np.asarray(v, dtype=np.float64)
         if a.ndim != 0 or not np.isfinite(a) or a != np.round(a) or a < minimum:
             raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {v!r}")
@@ -113,7 +114,7 @@ def length(owner: str, name: str, v: Any, positive: bool) -> Any:
     """A schedule length (steps, a boundary): a finite number >= 0, or > 0 where the formula divides by it."""
     if isinstance(v, (bool, np.bool_)) or not _is_numeric(v):
         raise TypeError(f"{owner}: {name} must be a number of steps, got {type(v).__name__} {v!r}")
-    if _concrete(v):
+    if is_concrete(v):
         a = np.asarray(v, dtype=np.float64)
         if not np.all(np.isfinite(a)) or not np.all(a > 0 if positive else a >= 0):
             why = "> 0 (the schedule divides by it)" if positive else ">= 0"

@@ -176,17 +176,14 @@ def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float 
     """
     _hyper.length("warmup_cosine", "warmup_steps", warmup_steps, positive=False)
     _hyper.length("warmup_cosine", "decay_steps", decay_steps, positive=False)
-    if _concrete_number(warmup_steps) and _concrete_number(decay_steps) and not decay_steps > warmup_steps:
+    if _hyper.is_concrete(warmup_steps) and _hyper.is_concrete(decay_steps) and not decay_steps > warmup_steps:
         raise ValueError(f"warmup_cosine: decay_steps ({decay_steps}) counts from the start and must be greater "
                          f"than warmup_steps ({warmup_steps}); the cosine part has decay_steps - warmup_steps steps")
     cosine = Cosine(peak, decay_steps - warmup_steps, final)
-    if _concrete_number(warmup_steps) and warmup_steps == 0:
+    if _hyper.is_concrete(warmup_steps) and warmup_steps == 0:
         return Join((cosine,), ())
     return Join((Linear(init, peak, warmup_steps), cosine), (warmup_steps,))
 
-
-def _concrete_number(v: Any) -> bool:
-    return not isinstance(v, jax.core.Tracer)
 
 
 def resolve(tree: Any, step: Any) -> Any:
