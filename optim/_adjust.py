@@ -56,8 +56,10 @@ def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
     if isinstance(state, State):
         if any(is_rule(v) or (isinstance(v, tuple) and any(map(is_rule, v))) for v in hyper.values()):
             _check_same_states(state, rules)
-        # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap).
-        return State(state.layout, tuple(canonical_numbers(r) for r in rules), state.stacks, state.step)
+            # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap);
+            # plain hyperparameters already took the old value's dtype in `_convert`.
+            rules = tuple(canonical_numbers(r) for r in rules)
+        return State(state.layout, rules, state.stacks, state.step)
     return rules[0]
 
 
@@ -104,6 +106,7 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
     if not dataclasses.is_dataclass(rule):
         return rule
     names = {f.name for f in dataclasses.fields(rule)}
+    inner = _inner(rule)
     changes = {}
     for k, v in hyper.items():
         if k not in names:
@@ -112,13 +115,13 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
             raise ValueError(f"adjust: {type(rule).__name__}.{k} is structural (it changes the state's shape "
                              "or the program); call optim.setup again with the new rule")
         used.add(k)
-        if isinstance(rule, Rule) and k not in _inner(rule):
+        if isinstance(rule, Rule) and k not in inner:
             old = getattr(rule, k)
             if isinstance(old, tuple) and not isinstance(v, (tuple, list)):
                 raise ValueError(f"adjust: {type(rule).__name__}.{k} is a tuple of {len(old)} values, got {v!r}")
             v = type(rule)._checked(k, v)      # the constructor's checks, and ints made floating
         changes[k] = v
-    for k in _inner(rule):   # inside wrapped rules, unless the wrapped rule itself is being replaced
+    for k in inner:   # inside wrapped rules, unless the wrapped rule itself is being replaced
         if k not in changes:
             v = getattr(rule, k)
             if isinstance(v, tuple):

@@ -74,8 +74,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
                       "which jit does not preserve. Call setup outside jit.", stacklevel=2)
     _check_ties_form(ties)
     if ties:
-        seen: set = set()
-        clash = {p for p in paths if p in seen or seen.add(p)}
+        clash = set(paths) - unique_index(paths).keys()     # dotted names that several leaves share
         for p in [q for k, v in ties.items() for q in (k, v if isinstance(v, str) else v[0])]:
             if p in clash:
                 raise ValueError(f"ties: {show(p)} names several leaves (the model's dotted names collide, e.g. "
