@@ -114,10 +114,13 @@ class Rule:
     _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
     _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
+    _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         register_struct(cls, cls._static)
+        # Fields with a tuple default are pairs (`beta`): found once per class, not per construction.
+        cls._pairs = frozenset(f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple))
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -134,8 +137,7 @@ class Rule:
                  else "nonneg" if name in cls._nonneg else None)
         if check is None:   # a field this class does not declare (a user rule's): only make integers floating
             return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
-        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
-        if isinstance(default, tuple):
+        if name in cls._pairs:
             return _hyper.pair(owner, name, v, check)
         return _hyper.hyper(owner, name, v, check)
 
