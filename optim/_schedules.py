@@ -15,19 +15,21 @@ import jax.numpy as jnp
 from . import _hyper
 from ._tree import register_struct, struct_repr
 
-__all__ = ["Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "resolve"]
+__all__ = ["Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt",
+           "Exponential", "Polynomial", "resolve"]
 
 
 class Schedule:
     """Base class: `schedule(step) -> value`, with `step` an integer scalar (possibly traced).
 
     The constructor checks concrete numbers (`optim._hyper`): values are finite and stored as floats (so
-    `adjust` never truncates a schedule given as ints); lengths are >= 0, and > 0 where the formula divides by
-    them, so that no schedule ever yields NaN.
+    `adjust` never truncates a schedule given as ints), and > 0 where the formula needs it (`_positive`);
+    lengths are >= 0, and > 0 where the formula divides by them, so that no schedule ever yields NaN.
     """
 
     _static: tuple[str, ...] = ()
     _values: tuple[str, ...] = ()      # numbers, or tuples of numbers: finite, stored as floats
+    _positive: tuple[str, ...] = ()    # numbers that must be > 0 (a base, an exponent): finite, stored as floats
     _lengths: tuple[str, ...] = ()     # step counts, or tuples of them: >= 0
     _divisors: tuple[str, ...] = ()    # lengths the formula divides by: > 0
 
@@ -44,6 +46,8 @@ class Schedule:
             else:
                 v = _hyper.hyper(owner, name, v, "any")
             object.__setattr__(self, name, v)
+        for name in self._positive:
+            object.__setattr__(self, name, _hyper.hyper(owner, name, getattr(self, name), "positive"))
         for name in self._lengths + self._divisors:
             v = getattr(self, name)
             if isinstance(v, (tuple, list)):
@@ -183,6 +187,145 @@ def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float 
     if _hyper.is_concrete(warmup_steps) and warmup_steps == 0:
         return Join((cosine,), ())
     return Join((Linear(init, peak, warmup_steps), cosine), (warmup_steps,))
+
+
+_WSD_SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+class WSD(Schedule):
+    """Warmup-stable-decay: linear warmup from 0 to `peak` over `warmup` steps, `peak` for `stable` steps, then
+    decay to `final` over `decay` steps, then `final`.
+
+    With `frac = (step - warmup - stable) / decay` in [0, 1], the decay is `peak + (final - peak) frac` for
+    `shape="linear"`, `final + (peak - final)(1 + cos(π frac)) / 2` for `"cosine"` and
+    `final + (peak - final)(1 - sqrt(frac))` for `"1-sqrt"`. The warmup gives `peak * step / warmup` (0 at step 0,
+    `peak` from step `warmup` on). `warmup` and `stable` may be 0 (no such phase); `decay` may not. `shape` is
+    part of the schedule's structure: `adjust` to a WSD of another shape recompiles.
+
+    >>> s = WSD(1.0, 10, 20, 10, final=0.1)
+    >>> [round(float(s(t)), 3) for t in (0, 5, 10, 29, 30, 35, 40, 100)]
+    [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1]
+    >>> s = WSD(1.0, 0, 0, 4, shape="1-sqrt")
+    >>> [round(float(s(t)), 3) for t in (0, 1, 4, 5)]
+    [1.0, 0.5, 0.0, 0.0]
+    """
+
+    peak: Any
+    warmup: Any
+    stable: Any
+    decay: Any
+    final: Any = 0.0
+    shape: str = "linear"
+    _static = ("shape",)
+    _values = ("peak", "final")
+    _lengths = ("warmup", "stable")
+    _divisors = ("decay",)
+
+    def __post_init__(self):
+        if not isinstance(self.shape, str) or self.shape not in _WSD_SHAPES:
+            raise ValueError(f"WSD: shape must be one of {', '.join(map(repr, _WSD_SHAPES))}, got {self.shape!r}")
+        super().__post_init__()
+
+    def __call__(self, step):
+        t = _t(step, self.peak)
+        warm = self.peak * _frac(t, self.warmup)
+        frac = _frac(t - self.warmup - self.stable, self.decay)
+        if self.shape == "linear":
+            down = self.peak + (self.final - self.peak) * frac
+        elif self.shape == "cosine":
+            down = self.final + (self.peak - self.final) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+        else:
+            down = self.final + (self.peak - self.final) * (1 - jnp.sqrt(frac))
+        return jnp.where(t < self.warmup, warm, jnp.where(t < self.warmup + self.stable, self.peak, down))
+
+
+class InvSqrt(Schedule):
+    """Inverse square root with linear warmup: `peak * step / warmup` before step `warmup`, then
+    `peak * sqrt(warmup / step)` (`peak` at step `warmup`).
+
+    `warmup` must be > 0 (the formula divides by it; with 0 it would be 0 at every step after the first). A
+    traced `warmup <= 0`, which the constructor cannot check, gives that limit: `peak` at step 0, then 0.
+
+    >>> s = InvSqrt(1.0, 4)
+    >>> [round(float(s(t)), 3) for t in (0, 2, 4, 16, 100)]
+    [0.0, 0.5, 1.0, 0.5, 0.2]
+    """
+
+    peak: Any
+    warmup: Any
+    _values = ("peak",)
+    _divisors = ("warmup",)
+
+    def __call__(self, step):
+        t = _t(step, self.peak)
+        w = jnp.asarray(self.warmup, t.dtype)
+        ok = w > 0
+        safe = jnp.where(ok, w, 1)
+        factor = jnp.where(t < safe, t / safe, jnp.sqrt(safe / jnp.maximum(t, safe)))
+        return self.peak * jnp.where(ok, factor, jnp.where(t <= 0, 1.0, 0.0))
+
+
+class Exponential(Schedule):
+    """Exponential decay (or growth, for `rate > 1`): `init * rate ** (step / steps)`, multiplied by `rate`
+    every `steps` steps; with `staircase=True` the exponent is `floor(step / steps)`, as in optax's
+    `exponential_decay`.
+
+    `rate` must be > 0 and `steps` > 0. A traced `steps <= 0`, which the constructor cannot check, gives `init`.
+
+    >>> s = Exponential(1.0, 0.5, 10)
+    >>> [round(float(s(t)), 3) for t in (0, 5, 10, 20, 30)]
+    [1.0, 0.707, 0.5, 0.25, 0.125]
+    >>> [round(float(Exponential(1.0, 0.5, 10, staircase=True)(t)), 3) for t in (0, 9, 10, 25)]
+    [1.0, 1.0, 0.5, 0.25]
+    """
+
+    init: Any
+    rate: Any
+    steps: Any
+    staircase: bool = False
+    _static = ("staircase",)
+    _values = ("init",)
+    _positive = ("rate",)
+    _divisors = ("steps",)
+
+    def __post_init__(self):
+        if not isinstance(self.staircase, bool):
+            raise TypeError(f"Exponential: staircase must be True or False, got {self.staircase!r}")
+        super().__post_init__()
+
+    def __call__(self, step):
+        t = _t(step, self.init)
+        steps = jnp.asarray(self.steps, t.dtype)
+        ok = steps > 0
+        p = jnp.where(ok, t / jnp.where(ok, steps, 1), 0)
+        if self.staircase:
+            p = jnp.floor(p)
+        return self.init * jnp.power(jnp.asarray(self.rate, t.dtype), p)
+
+
+class Polynomial(Schedule):
+    """Polynomial decay from `init` to `end` over `steps` steps, then `end`:
+    `(init - end) * (1 - min(step, steps) / steps) ** power + end` (optax's `polynomial_schedule`).
+
+    `power` must be > 0 (with 0 the schedule would stay at `init` and never reach `end`); `power=1` is `Linear`.
+
+    >>> s = Polynomial(1.0, 0.0, 2, 10)
+    >>> [round(float(s(t)), 3) for t in (0, 5, 9, 10, 20)]
+    [1.0, 0.25, 0.01, 0.0, 0.0]
+    """
+
+    init: Any
+    end: Any
+    power: Any
+    steps: Any
+    _values = ("init", "end")
+    _positive = ("power",)
+    _divisors = ("steps",)
+
+    def __call__(self, step):
+        left = 1 - _frac(_t(step, self.init), self.steps)
+        # 0 ** power is 0 for power > 0; the guard keeps a traced power <= 0 finite at the end
+        return (self.init - self.end) * jnp.where(left > 0, jnp.power(left, self.power), 0) + self.end
 
 
 
