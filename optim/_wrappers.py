@@ -2,8 +2,9 @@
 
 `OptimiserChain` (`chain`) runs rules in sequence, `AccumGrad` turns `n` calls into one step, `MixedPrecision`
 keeps a high-precision master copy, `ClipGlobalNorm` and `SkipNonFinite` look across all the parameters that
-share the rule. Those that look across parameters implement `apply_tree` over stacks of parameters (see
-`optim._step.apply_all`); their per-parameter `apply` is `apply_one`.
+share the rule, and so does `SkipLargeUpdates`, which skips a step whose gradient norm is an outlier. Those that
+look across parameters implement `apply_tree` over stacks of parameters (see `optim._step.apply_all`); their
+per-parameter `apply` is `apply_one`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _hyper
 from ._schedules import Hyper
 from ._step import (Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute,
                     clip_factor)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
-           "joint_norm"]
+           "SkipLargeUpdates", "joint_norm"]
 
 
 def _gate(new: Any, old: Any, ok: Any) -> Any:
@@ -279,3 +281,134 @@ class SkipNonFinite(Rule):
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
         new = [(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32)) for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st, ok) for st in steps]
+
+
+class SkipLargeUpdates(Rule):
+    """Skip a step whose gradient norm is far above the norms seen so far: the model and `rule`'s state are
+    left as they were (branch-free) and the state counts the skipped steps. Wrap the whole rule:
+    `SkipLargeUpdates(OptimiserChain(ClipGlobalNorm(1.0), AdamW(3e-4)))` looks at the raw gradients, before any
+    clipping (inside a chain after `ClipGlobalNorm` it would see the clipped ones).
+
+    The norm `‖g‖` is the 2-norm of the gradients of all the parameters that share this rule, each parameter
+    counted once with the summed gradient of its tie group (what `ClipGlobalNorm` sees); parameters with a
+    `None` gradient do not count and their state is not advanced; only the first gradient tree counts (extra
+    ones, `update(state, model, grads, grads2)`, go to `rule` as they are). With the running statistics `n` (the number
+    of norms taken in), mean `μ` and variance `v`, and `τ = μ + sigma · √v`, a step is skipped when
+
+    - `‖g‖` is NaN or ±Inf (always, also during warmup), or
+    - `n >= warmup`, `v > 0` and `‖g‖ > τ`.
+
+    (With `v = 0`, after one norm or after identical norms, there is no spread to compare with: clamping at
+    `τ = μ` would then skip every larger norm for ever.) A finite norm is then taken into the statistics as
+    `y = min(‖g‖, τ)` when it was skipped and `y = ‖g‖` otherwise, so that one spike cannot inflate them, while a
+    lasting rise is absorbed: each clamped step multiplies `v` by `(1 - α)(1 + α · sigma²)`, more than 1 when
+    `sigma² > 1 / (1 - α)`, so keep `sigma` above about 1.5. A non-finite norm is not taken in. Taking in `y`,
+    with `β = norm_decay`:
+
+        n ← n + 1,   α = (1 - β) / (1 - βⁿ)  (α = 1 when n = 1),   δ = y - μ,
+        μ ← μ + α δ,   v ← (1 - α)(v + α δ²),
+
+    which makes `μ` and `v` exactly the mean and (population) variance of the `n` values taken in, weighted by
+    `β^(n-k)` for the k-th: an exponential moving average, bias-corrected by the count, so the first norms are
+    not pulled toward 0 (the first `μ` is the first norm, the first `v` is 0).
+
+    Nested with `SkipNonFinite`, a step is counted by the outer wrapper that skips it (the outer one keeps the
+    inner one's state, its counter included): `SkipNonFinite(SkipLargeUpdates(rule))` counts NaN / Inf steps
+    in `SkipNonFinite` and large ones here.
+
+    Args:
+        rule: the rule to run when the step is not skipped (required, positional).
+        sigma: how many standard deviations above the mean a norm may be, default 6.0, >= 0 (adjustable).
+        warmup: the number of norms to take in before anything but a non-finite step is skipped, default 100,
+            an integer >= 0 (adjustable; stays an integer).
+        norm_decay: β, default 0.99, in [0, 1) (adjustable): the statistics weigh the norm of k steps ago by
+            `β^k`, about the last `1 / (1 - β)` steps.
+
+    State: `(inner, stats)`: `rule`'s state and a dict of 0-d arrays: `"count"` (n, int32), `"mean"` (μ,
+    float32), `"var"` (v, float32) and `"skipped"` (the number of skipped steps, int32). Every parameter that
+    shares the rule holds the same statistics (one whose gradient was `None` keeps older ones; the step uses
+    those of the parameter that has seen the most steps).
+
+    >>> import jax.numpy as jnp, optim
+    >>> m = {"a": jnp.zeros(2)}
+    >>> s = optim.setup(optim.SkipLargeUpdates(optim.Descent(0.5), sigma=3.0, warmup=4), m)
+    >>> for g in [1.0, 2.0, 1.0, 2.0]:
+    ...     s, m = optim.update(s, m, {"a": jnp.array([g, 0.0])})
+    >>> stats = s["a"].state[1]               # about the mean and variance of 1, 2, 1, 2
+    >>> m["a"], round(float(stats["mean"]), 3), round(float(stats["var"]), 3)
+    (Array([-3.,  0.], dtype=float32), 1.503, 0.25)
+    >>> s, m = optim.update(s, m, {"a": jnp.array([100.0, 0.0])})     # 100 > 1.5 + 3 * 0.5: skipped
+    >>> m["a"], int(s["a"].state[1]["skipped"])
+    (Array([-3.,  0.], dtype=float32), 1)
+    >>> s, m = optim.update(s, m, {"a": jnp.array([2.0, 0.0])})
+    >>> m["a"], int(s["a"].state[1]["skipped"]), int(s["a"].state[1]["count"])
+    (Array([-4.,  0.], dtype=float32), 1, 6)
+    """
+
+    rule: Any = None
+    sigma: Hyper = 6.0
+    warmup: int | jax.Array = 100
+    norm_decay: Hyper = 0.99
+    _nonneg = ("sigma",)
+    _unit = ("norm_decay",)
+    _counts = ("warmup",)
+
+    def __init__(self, rule: Any, sigma: Hyper = 6.0, warmup: int | jax.Array = 100, norm_decay: Hyper = 0.99):
+        if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))):
+            raise TypeError(f"SkipLargeUpdates: rule must be a rule (it needs init and apply), got {rule!r}")
+        for name, v in (("rule", rule), ("sigma", sigma), ("warmup", warmup), ("norm_decay", norm_decay)):
+            object.__setattr__(self, name, v)
+        self.__post_init__()
+
+    @classmethod
+    def _checked(cls, name: str, v: Any) -> Any:
+        if name == "warmup":   # a count that may be 0 (`Rule` counts start at 1)
+            return _hyper.count(cls.__name__, name, v, minimum=0)
+        return super()._checked(name, v)
+
+    def init(self, x):
+        stats = {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros((), jnp.float32),
+                 "var": jnp.zeros((), jnp.float32), "skipped": jnp.zeros((), jnp.int32)}
+        return self.rule.init(x), stats
+
+    def apply(self, state, x, dx, *dxs):
+        return apply_one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        if not xs:
+            return [], []
+        norm = joint_norm([d[0] for d in dxs])
+        # Every row of every stack should hold the same statistics; one that missed steps (a `None` gradient,
+        # frozen) holds older ones, so take those of the row that has seen the most steps.
+        rows = {k: jnp.concatenate([jnp.reshape(s[1][k], (-1,)) for s in states]) for k in states[0][1]}
+        pick = jnp.argmax(rows["count"].astype(jnp.int32) + rows["skipped"].astype(jnp.int32))
+        n, mean, var, skipped = (rows[k][pick] for k in ("count", "mean", "var", "skipped"))
+        n, skipped = n.astype(jnp.int32), skipped.astype(jnp.int32)
+        mean, var = mean.astype(jnp.float32), var.astype(jnp.float32)
+        sigma = jnp.asarray(self.sigma, jnp.float32)
+        beta = jnp.asarray(self.norm_decay, jnp.float32)
+
+        threshold = mean + sigma * jnp.sqrt(var)
+        finite = jnp.isfinite(norm)
+        large = finite & (n >= jnp.asarray(self.warmup, jnp.int32)) & (var > 0) & (norm > threshold)
+        ok = finite & ~large
+        # Take y in: the weighted incremental mean and variance with weights beta^(n-k) (see the docstring).
+        y = jnp.where(large, threshold, jnp.where(finite, norm, mean))
+        n1 = n + 1
+        # alpha = (1 - beta) / (1 - beta^n1), with 1 - beta^n1 = -expm1(n1 log beta) accurate for beta near 1.
+        alpha = (1 - beta) / -jnp.expm1(n1.astype(jnp.float32) * jnp.log1p(-(1 - beta)))
+        alpha = jnp.where(n1 == 1, 1.0, jnp.clip(alpha, 0.0, 1.0))
+        delta = y - mean
+        new_stats = {
+            "count": jnp.where(finite, n1, n),
+            "mean": jnp.where(finite, mean + alpha * delta, mean),
+            "var": jnp.where(finite, jnp.maximum((1 - alpha) * (var + alpha * delta * delta), 0.0), var),
+            "skipped": skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+        }
+
+        inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
+        new = [(_gate(st, s[0], ok),
+                {k: jnp.broadcast_to(v.astype(s[1][k].dtype), jnp.shape(s[1][k])) for k, v in new_stats.items()})
+               for st, s in zip(inner, states)]
+        return new, [None if st is None else Gated(st.step, st.ok & ok) if isinstance(st, Gated) else Gated(st, ok)
+                     for st in steps]
