@@ -14,28 +14,35 @@ from ._adjust import adjust, freeze, thaw
 from ._checkpoint import load, save
 from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
+from ._microbatch import microbatch
 from ._rules import (
     AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lion, Momentum, Muon,
-    NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, SignDecay, WeightDecay,
+    NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, SignDecay, WeightDecay,
 )
-from ._schedules import Constant, Cosine, Join, Linear, Piecewise, Schedule, warmup_cosine
-from ._setup import setup
+from ._schedules import (
+    WSD, Constant, Cosine, Exponential, InvSqrt, Join, Linear, Piecewise, Polynomial, Schedule, warmup_cosine,
+)
+from ._setup import by_path, setup
 from ._state import Layout, Leaf, PathError, State
 from ._step import Gated, Replace, Rule, apply_all, apply_step
 from ._surgery import donatable, graft, reset, retie, subtree
 from ._update import global_norm, tie_grads, update
-from ._wrappers import AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain, SkipNonFinite, chain
+from ._wrappers import (
+    AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite, chain,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "setup", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args", "WholeTreeError",
+    "setup", "by_path", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args",
+    "WholeTreeError",
     "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
-    "destructure",
+    "destructure", "microbatch",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
-    "ClipGlobalNorm", "SkipNonFinite", "Muon", "global_norm",
-    "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine",
+    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Muon", "global_norm",
+    "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
+    "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
+    "ClipNorm", "Scale", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
 ]

@@ -16,13 +16,10 @@ import jax.numpy as jnp
 from ._step import Rule, is_rule
 from ._schedules import Schedule
 from ._hyper import canonical_numbers
-from ._state import PathError, State, unwrap, with_frozen
+from ._state import Layout, PathError, State, unwrap, with_frozen
 from ._tree import show
 
-_MISSING = object()
-
-
-def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
+def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them.
 
     `adjust(state, 1e-4)` sets `lr`; `adjust(state, beta=(0.8, 0.99), weight_decay=0.1)` sets those fields. It
@@ -34,33 +31,100 @@ def adjust(state: Any, lr: Any = _MISSING, **hyper: Any) -> Any:
     A field holding a rule (`SkipNonFinite(rule)`) may be swapped only for a rule whose state has the same
     structure, shapes and dtypes for every parameter.
 
-    >>> import optim
+    String arguments are path patterns, matched as `freeze` matches them (a dotted path, a prefix of one, or an
+    fnmatch pattern; a tie group is one parameter): `adjust(state, "encoder.*", lr=1e-4)` changes only the
+    parameters they select, and a pattern that selects none is a `ValueError` naming it. The first time a
+    pattern singles out some of the parameters that share a rule, those get a copy of the rule of their own,
+    which changes the state's layout and so compiles a new program once (as `freeze` does); every later adjust
+    of their values, or of the whole state, changes data only.
+
+    >>> import jax.numpy as jnp, optim
     >>> optim.adjust(optim.OptimiserChain(optim.ClipGrad(2.0), optim.Adam(0.1)), 0.2)
     OptimiserChain(ClipGrad(delta=2), Adam(lr=0.2, beta=(0.9, 0.999), eps=1e-08))
     >>> optim.adjust(optim.Descent(1), lr=0.5)
     Descent(lr=0.5)
+    >>> state = optim.setup(optim.Adam(0.1), {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}})
+    >>> state = optim.adjust(state, "enc", lr=0.01)
+    >>> state["enc.w"].rule.lr, state["dec.w"].rule.lr
+    (Array(0.01, dtype=float32), Array(0.1, dtype=float32))
     """
-    if lr is not _MISSING:
-        hyper = {"lr": lr, **hyper}
+    patterns = tuple(a for a in args if isinstance(a, str))
+    values = [a for a in args if not isinstance(a, str)]
+    if len(values) > 1:
+        raise TypeError(f"adjust: at most one positional value (the learning rate), got {len(values)}; give the "
+                        "others by name, e.g. adjust(state, lr=1e-4, weight_decay=0.1)")
+    if values:
+        if "lr" in hyper:
+            raise TypeError("adjust: lr given twice (positionally and as lr=)")
+        hyper = {"lr": values[0], **hyper}
     if not hyper:
         raise TypeError("adjust: give at least one hyperparameter, e.g. adjust(state, lr=1e-4)")
+    if patterns:
+        if not isinstance(state, State):
+            raise TypeError(f"adjust: path patterns ({', '.join(map(repr, patterns))}) select parameters of a State "
+                            f"from optim.setup, got {type(state).__name__}")
+        return _adjust_paths(state, patterns, hyper)
     used: set[str] = set()
     if isinstance(state, State):
         rules = tuple(_adjust_rule(r, hyper, used) for r in state.rules)
     else:
         rules = (_adjust_rule(state, hyper, used),)
+    _check_used(hyper, used, state.rules if isinstance(state, State) else (state,))
+    if isinstance(state, State):
+        lay = state.layout
+        rules = _swapped_in(lay, state.rules, rules, [p.rule for p in lay.params], hyper)
+        return State(lay, rules, state.stacks, state.step)
+    return rules[0]
+
+
+def _check_used(hyper: dict, used: set, rules: tuple) -> None:
     unknown = sorted(set(hyper) - used)
     if unknown:
-        have = sorted(_fields(state.rules if isinstance(state, State) else (state,)))
+        have = sorted(_fields(rules))
         raise TypeError(f"adjust: no rule here has {', '.join(unknown)}; adjustable: {', '.join(have) or 'none'}")
-    if isinstance(state, State):
-        if any(is_rule(v) or (isinstance(v, tuple) and any(map(is_rule, v))) for v in hyper.values()):
-            _check_same_states(state, rules)
-            # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap);
-            # plain hyperparameters already took the old value's dtype in `_convert`.
-            rules = tuple(canonical_numbers(r) for r in rules)
-        return State(state.layout, rules, state.stacks, state.step)
-    return rules[0]
+
+
+def _swapped_in(lay: Any, old: tuple, new: tuple, rule_of: list[int], hyper: dict) -> tuple:
+    """The new rules, after checking that any rule swapped in keeps every parameter's state as it is
+    (parameter `u` had `old[lay.params[u].rule]` and gets `new[rule_of[u]]`)."""
+    if any(is_rule(v) or (isinstance(v, tuple) and any(map(is_rule, v))) for v in hyper.values()):
+        _check_same_states(lay, [(old[p.rule], new[r]) for p, r in zip(lay.params, rule_of)])
+        # Numbers inside a swapped-in rule become device scalars like setup's (no retrace on the next swap);
+        # plain hyperparameters already took the old value's dtype in `_convert`.
+        return tuple(canonical_numbers(r) for r in new)
+    return tuple(new)
+
+
+def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
+    """`adjust` of the parameters that `patterns` select. A rule all of whose parameters are selected is
+    adjusted in place; the selected parameters of a rule shared with unselected ones get an adjusted copy of
+    it as a new rule, and the state is restacked under the new layout (a stack holds one rule)."""
+    lay = state.layout
+    chosen = set(select(state, patterns, "adjust"))
+    users: dict[int, list[int]] = {}
+    for u, p in enumerate(lay.params):
+        users.setdefault(p.rule, []).append(u)
+    rules, rule_of, used = list(state.rules), [p.rule for p in lay.params], set()
+    for r, us in users.items():
+        mine = [u for u in us if u in chosen]
+        if not mine:
+            continue
+        new = _adjust_rule(state.rules[r], hyper, used)
+        if len(mine) == len(us):
+            rules[r] = new
+        else:
+            for u in mine:
+                rule_of[u] = len(rules)
+            rules.append(new)
+    _check_used(hyper, used, tuple(state.rules[r] for r in sorted({lay.params[u].rule for u in chosen})))
+    rules = _swapped_in(lay, state.rules, tuple(rules), rule_of, hyper)
+    if len(rules) == len(state.rules):
+        return State(lay, rules, state.stacks, state.step)
+    params = tuple(p if p.rule == r else dataclasses.replace(p, rule=r) for p, r in zip(lay.params, rule_of))
+    layout = Layout(lay.treedef, params, lay.frozen)
+    if "paths" in lay.__dict__:
+        layout.__dict__["paths"] = lay.paths
+    return state.regroup(layout, rules)
 
 
 def _inner(rule: Any) -> list[str]:
@@ -135,23 +199,25 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
     return _swap(rule, changes)
 
 
-def _check_same_states(state: State, rules: tuple) -> None:
-    """A swapped-in rule must have the same state (structure, shapes, dtypes) as the one it replaces."""
+def _check_same_states(lay: Any, pairs: list) -> None:
+    """A swapped-in rule must keep the same state (structure, shapes, dtypes) as the rule it replaces: `pairs`
+    holds each parameter's (old rule, new rule)."""
     seen = set()
-    for u, p in enumerate(state.layout.params):
-        if (p.rule, p.shape, p.dtype) in seen:     # one check per rule, shape and dtype
+    for u, (p, (old, new)) in enumerate(zip(lay.params, pairs)):
+        if (id(old), id(new), p.shape, p.dtype) in seen:     # one check per rule pair, shape and dtype
             continue
-        seen.add((p.rule, p.shape, p.dtype))
-        old, new = unwrap(state.rules[p.rule]), unwrap(rules[p.rule])
+        seen.add((id(old), id(new), p.shape, p.dtype))
+        old, new = unwrap(old), unwrap(new)
+        path = lay.paths[p.canonical]
         x = jax.ShapeDtypeStruct(p.shape, p.dtype)
         try:
             a, b = jax.eval_shape(old.init, x), jax.eval_shape(new.init, x)
         except Exception as e:  # noqa: BLE001 (any failure of the new rule's init is the user's to see)
-            raise ValueError(f"adjust: the new rule cannot initialise {show(state.paths()[u])}: {e}") from e
+            raise ValueError(f"adjust: the new rule cannot initialise {show(path)}: {e}") from e
         shapes = lambda t: [(tuple(s.shape), jnp.dtype(s.dtype)) for s in jax.tree.leaves(t)]  # noqa: E731
         if jax.tree.structure(a) != jax.tree.structure(b) or shapes(a) != shapes(b):
             raise ValueError(f"adjust: the new rule keeps a different optimiser state for "
-                             f"{show(state.paths()[u])} than the rule it replaces ({jax.tree.structure(b)} "
+                             f"{show(path)} than the rule it replaces ({jax.tree.structure(b)} "
                              f"instead of {jax.tree.structure(a)}); build a fresh state with "
                              "optim.setup(new_rule, model, like=state) to keep what still fits")
 

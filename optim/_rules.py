@@ -23,7 +23,7 @@ from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute, cli
 __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "Muon",
+    "ClipNorm", "Muon", "Scale",
 ]
 
 
@@ -718,6 +718,33 @@ class WeightDecay(Rule):
 
     def apply(self, state, x, dx, *dxs):
         return state, dx + as_compute(self.weight_decay, x) * x
+
+
+class Scale(Rule):
+    """Multiply the step by a constant: `step = f g`. As the last stage of a chain it scales another rule's
+    step (`chain(Adam(1e-3), Scale(0.1))` steps by a tenth of Adam's); `f` is a hyperparameter like any other
+    (adjustable, or a schedule), so `adjust(state, "encoder.*", f=0.5)` damps one part of a model.
+
+    Args:
+        f: the factor, required, any finite real number (a negative one steps uphill).
+
+    State: none (`None`).
+
+    optax: `optax.scale(f)` (whose update is added, so optax's `scale(-lr)` is this `Scale(lr)`).
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.chain(optim.Descent(0.1), optim.Scale(0.5)), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x
+    Array([0.975, 2.05 ], dtype=float32)
+    """
+
+    f: Hyper
+    _signed = ("f",)
+
+    def apply(self, state, x, dx, *dxs):
+        return state, as_compute(self.f, x) * dx
 
 
 class SignDecay(Rule):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import warnings
 from typing import Any, Mapping
 
@@ -35,6 +36,56 @@ def _same(a: Any, b: Any) -> bool:
 
 
 RuleSpec = Any  # a rule, or a function (path, array) -> rule
+
+
+class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_path({...}), model)`)
+    """A rule per parameter from a table of path patterns: the first pattern (in dict order) that matches a
+    leaf's dotted path gives its rule. Patterns match as in `freeze`: the path itself, a prefix of it
+    (`"encoder"` matches `encoder.w`), or an fnmatch pattern (`"*.bias"`, where `*` also crosses dots). Give it
+    to `setup` in place of a rule.
+
+    A trainable leaf that no pattern matches is a `ValueError` naming it (end the table with `"*"` for a
+    default); so is a tie group whose members match patterns with different rules (a tie group is one
+    parameter, with one rule). Each pattern's parameters may still be adjusted alone:
+    `adjust(state, "*.bias", lr=...)`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> model = {"dense": {"w": jnp.ones((2, 2)), "bias": jnp.zeros(2)}, "norm": {"scale": jnp.ones(2)}}
+    >>> rule = optim.by_path({"*.bias": optim.Adam(1e-3), "norm": optim.Adam(1e-3),
+    ...                       "*": optim.AdamW(1e-3, weight_decay=0.1)})
+    >>> state = optim.setup(rule, model)
+    >>> [(path, type(leaf.rule).__name__) for path, leaf in state.items()]
+    [('dense.bias', 'Adam'), ('dense.w', 'AdamW'), ('norm.scale', 'Adam')]
+    """
+
+    def __init__(self, table: Mapping[str, Any]):
+        if not isinstance(table, Mapping) or not table:
+            raise TypeError(f"by_path takes a non-empty dict {{pattern: rule}}, e.g. by_path({{'*.bias': Adam(), "
+                            f"'*': AdamW()}}); got {table!r}")
+        for pattern, rule in table.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"by_path: patterns are dotted-path strings, got {type(pattern).__name__} "
+                                f"{pattern!r}")
+            if not is_rule(rule):
+                raise TypeError(f"by_path: the entry for {pattern!r} is {rule!r}, which is not a rule (a rule has "
+                                "init(x) and apply(state, x, dx, *dxs))")
+        self.table = dict(table)
+
+    def __call__(self, path: str, x: Any) -> Any:
+        for pattern, rule in self.table.items():
+            if path_matches(path, pattern):
+                return rule
+        raise ValueError(f"by_path: no pattern matches the trainable leaf {show(path)} (patterns: "
+                         f"{', '.join(map(repr, self.table))}); add an entry for it, or '*' for every other leaf")
+
+    def __repr__(self) -> str:
+        return "by_path({" + ", ".join(f"{k!r}: {v!r}" for k, v in self.table.items()) + "})"
+
+
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether `pattern` selects the dotted `path`, as `freeze` and `adjust` do: the path itself, a prefix of it,
+    or an fnmatch pattern."""
+    return (pattern in ("", path) or path.startswith(pattern + ".")) or fnmatch.fnmatchcase(path, pattern)
 
 
 def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,

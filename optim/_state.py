@@ -225,6 +225,32 @@ class State:
             stacks[g] = stack_states([new[u] if u in new else self.param_state(u) for u in stack])
         return State(self.layout, self.rules, tuple(stacks), self.step)
 
+    def regroup(self, layout: Layout, rules: tuple) -> "State":
+        """This state with `rules` under `layout`, which has the same parameters in the same order but may
+        stack them differently (after `adjust` gave some parameters a rule of their own). A stack that is
+        unchanged keeps its arrays; another gathers its rows from the old stacks, one gather per run of rows
+        taken from one old stack (not one slice per parameter)."""
+        old = self.layout
+        where = {g: i for i, g in enumerate(old.stacks)}
+        stacks = []
+        for stack in layout.stacks:
+            if stack in where:
+                stacks.append(self.stacks[where[stack]])
+                continue
+            runs: list = []      # [(old stack, [rows])]
+            for u in stack:
+                g, k = old.slot[u]
+                if runs and runs[-1][0] == g:
+                    runs[-1][1].append(k)
+                else:
+                    runs.append((g, [k]))
+            treedef = jax.tree.structure(self.stacks[runs[0][0]])
+            nd = _member_ndims(self, stack[0], treedef)
+            columns = zip(*[jax.tree.leaves(self.stacks[g]) for g, _ in runs])
+            stacks.append(treedef.unflatten([_gather(col, [rows for _, rows in runs], nd[c])
+                                             for c, col in enumerate(columns)]))
+        return State(layout, rules, tuple(stacks), self.step)
+
     def tree_flatten_with_keys(self):
         k = jax.tree_util.GetAttrKey
         return ((k("rules"), self.rules), (k("stacks"), self.stacks), (k("step"), self.step)), self.layout
@@ -309,6 +335,20 @@ def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
             _NDIMS.clear()
         _NDIMS[key] = nd
     return nd
+
+
+def _gather(arrays: tuple, rows: list, ndim: int) -> Any:
+    """Rows `rows[i]` of each `arrays[i]` (stacks whose member arrays have `ndim` axes, behind any batch axes),
+    concatenated along the stack axis. Host arrays stay on the host."""
+    axis = np.ndim(arrays[0]) - ndim - 1
+    host = all(isinstance(a, np.ndarray) for a in arrays)
+    parts = []
+    for a, r in zip(arrays, rows):
+        ix = slice(r[0], r[-1] + 1) if r == list(range(r[0], r[-1] + 1)) else np.asarray(r)
+        parts.append(a[(slice(None),) * axis + (ix,)])
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts, axis) if host else jnp.concatenate([jnp.asarray(p) for p in parts], axis)
 
 
 def func_name(f: Callable) -> str:

@@ -113,6 +113,7 @@ class Rule:
     _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
     _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
     _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
+    _signed: ClassVar[tuple[str, ...]] = ()   # finite, any sign (Scale.f)
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
     _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
 
@@ -134,7 +135,7 @@ class Rule:
         if name in cls._counts:
             return _hyper.count(owner, name, v)
         check = ("unit" if name in cls._unit else "closed_unit" if name in cls._decay
-                 else "nonneg" if name in cls._nonneg else None)
+                 else "nonneg" if name in cls._nonneg else "any" if name in cls._signed else None)
         if check is None:   # a field this class does not declare (a user rule's): only make integers floating
             return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
         if name in cls._pairs:

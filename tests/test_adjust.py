@@ -259,3 +259,155 @@ def test_freeze_exact_path_means_that_path_only():
     assert [p for p, leaf in optim.freeze(state, "w[0-9]").items() if leaf.frozen] == ["w0"]
     assert [p for p, leaf in optim.freeze(state, "enc").items() if leaf.frozen] == ["enc.a"]
     assert [p for p, leaf in optim.freeze(state, "enc*").items() if leaf.frozen] == ["enc.a", "enc_b"]
+
+
+# ----------------------------------------------------------------------------------------------- per-path adjust
+def _enc_dec():
+    return {"enc": {"w": jnp.arange(1.0, 4.0), "b": jnp.ones(3)}, "dec": {"w": jnp.array([2.0, 2.0, 2.0])}}
+
+
+def _grads(k):
+    return {"enc": {"w": jnp.array([1.0, -2.0, 0.5]) * k, "b": jnp.array([0.3, 0.1, -1.0])},
+            "dec": {"w": jnp.array([-1.0, 2.0, 3.0]) / k}}
+
+
+def test_adjust_by_path_matches_optax_multi_transform():
+    """adjust(state, "enc", lr=...) after two steps: enc trains with the new lr, dec with the old, exactly as
+    optax.multi_transform with two adams whose lr changes at the same step (inject_hyperparams)."""
+    optax = pytest.importorskip("optax")
+    model = _enc_dec()
+    labels = {"enc": {"w": "enc", "b": "enc"}, "dec": {"w": "dec"}}
+    tx = optax.multi_transform({"enc": optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                                "dec": optax.inject_hyperparams(optax.adam)(learning_rate=0.1)}, labels)
+    ostate, omodel = tx.init(model), model
+    state, m = optim.setup(optim.Adam(0.1), model), model
+    for k in range(1, 6):
+        if k == 3:
+            state = optim.adjust(state, "enc", lr=0.01)
+            ostate.inner_states["enc"].inner_state.hyperparams["learning_rate"] = jnp.asarray(0.01)
+        state, m = optim.update(state, m, _grads(k))
+        upd, ostate = tx.update(_grads(k), ostate, omodel)
+        omodel = optax.apply_updates(omodel, upd)
+    jax.tree.map(lambda a, b: close(a, b, rtol=1e-6), m, omodel)
+    assert hyper(state["enc.w"].rule.lr) == pytest.approx(0.01, rel=1e-6)
+    assert hyper(state["dec.w"].rule.lr) == pytest.approx(0.1, rel=1e-6)
+
+
+def test_adjust_by_path_keeps_every_parameter_state_and_recompiles_once():
+    """The first adjust that singles out part of a rule's parameters compiles once; then adjusting those, the
+    others or everything is data only (no trace). States survive the restacking exactly."""
+    traces = []
+
+    @jax.jit
+    def step(state, model, grads):
+        traces.append(1)
+        return optim.update(state, model, grads)
+
+    model = _enc_dec()
+    state = optim.setup(optim.Adam(0.1), model)
+    state, model = step(state, model, _grads(1))
+    before = {p: leaf.state for p, leaf in state.items()}
+    state = optim.adjust(state, "enc.*", lr=0.01)
+    for p, leaf in state.items():
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), leaf.state, before[p])
+    state, model = step(state, model, _grads(2))
+    assert len(traces) == 2
+    for args in [("enc.*",), ("dec",), ()]:
+        state = optim.adjust(state, *args, lr=0.05)
+        state, model = step(state, model, _grads(3))
+    assert len(traces) == 2
+    assert [hyper(state[p].rule.lr) for p in ("enc.w", "enc.b", "dec.w")] == pytest.approx([0.05] * 3, rel=1e-6)
+
+
+def test_adjust_by_path_of_a_whole_rule_never_recompiles():
+    traces = []
+
+    @jax.jit
+    def step(state, model, grads):
+        traces.append(1)
+        return optim.update(state, model, grads)
+
+    model = _enc_dec()
+    state = optim.setup(optim.by_path({"enc": optim.Adam(0.1), "dec": optim.Momentum(0.1)}), model)
+    state, model = step(state, model, _grads(1))
+    state = optim.adjust(state, "enc", lr=0.02)     # every parameter of the Adam rule: in place
+    state = optim.adjust(state, "*", rho=0.5)       # only Momentum has rho: no error for Adam's parameters
+    state, model = step(state, model, _grads(2))
+    assert len(traces) == 1
+    assert hyper(state["enc.b"].rule.lr) == pytest.approx(0.02, rel=1e-6)
+    assert hyper(state["dec.w"].rule.rho) == pytest.approx(0.5, rel=1e-6)
+    assert hyper(state["dec.w"].rule.lr) == pytest.approx(0.1, rel=1e-6)
+
+
+def test_adjust_by_path_selects_a_tie_group_through_any_member():
+    w = jnp.ones(2)
+    state = optim.setup(optim.Descent(0.1), {"emb": w, "head": w, "b": jnp.zeros(2)})
+    state = optim.adjust(state, "head", lr=0.5)
+    assert hyper(state["emb"].rule.lr) == pytest.approx(0.5, rel=1e-6)
+    assert hyper(state["b"].rule.lr) == pytest.approx(0.1, rel=1e-6)
+    _, m = optim.update(state, {"emb": w, "head": w, "b": jnp.zeros(2)},
+                        {"emb": jnp.ones(2), "head": jnp.ones(2), "b": jnp.ones(2)})
+    close(m["emb"], [0.0, 0.0])
+    close(m["b"], [-0.1, -0.1])
+    assert m["emb"] is m["head"]
+
+
+def test_adjust_by_path_errors_name_the_pattern():
+    state = optim.setup(optim.by_path({"enc": optim.Adam(0.1), "*": optim.Descent(0.1)}), _enc_dec())
+    with pytest.raises(ValueError, match="'encoder' matches no trainable path"):
+        optim.adjust(state, "encoder", lr=0.1)
+    with pytest.raises(TypeError, match="no rule here has beta; adjustable: lr"):
+        optim.adjust(state, "dec", beta=(0.5, 0.5))     # Adam has beta, but dec's rule (Descent) has not
+    with pytest.raises(TypeError, match="select parameters of a State"):
+        optim.adjust(optim.Adam(), "enc", lr=0.1)
+    with pytest.raises(TypeError, match="lr given twice"):
+        optim.adjust(state, 0.1, lr=0.2)
+    with pytest.raises(TypeError, match="at most one positional value"):
+        optim.adjust(state, 0.1, 0.2)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        optim.adjust(state, "enc", lr=-1.0)
+
+
+def test_adjust_by_path_inside_jit_with_traced_value():
+    model = _enc_dec()
+    state = optim.setup(optim.Descent(1.0), model)
+    run = jax.jit(lambda s, lr: optim.update(optim.adjust(s, "enc.b", lr=lr), model, _grads(1))[1])
+    got = run(state, 0.5)
+    close(got["enc"]["b"], np.ones(3) - 0.5 * np.array([0.3, 0.1, -1.0]))
+    close(got["enc"]["w"], np.arange(1.0, 4.0) - np.array([1.0, -2.0, 0.5]))
+
+
+def test_adjust_by_path_swaps_a_rule_for_part_of_the_model():
+    """A field holding a rule may be swapped for the selected parameters only, if the state stays the same."""
+    model = _enc_dec()
+    state = optim.setup(optim.SkipNonFinite(optim.Descent(0.1)), model)
+    state = optim.adjust(state, "dec", rule=optim.Descent(1.0))
+    _, m = optim.update(state, model, _grads(1))
+    close(m["dec"]["w"], 2.0 - np.array([-1.0, 2.0, 3.0]))
+    close(m["enc"]["b"], 1.0 - 0.1 * np.array([0.3, 0.1, -1.0]))
+    with pytest.raises(ValueError, match="different optimiser state for 'dec.w'"):
+        optim.adjust(state, "dec", rule=optim.Adam())
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.booleans(), min_size=70, max_size=140), st.integers(1, 2))
+def test_property_adjust_by_path_restacks_exactly(chosen, steps):
+    """Many same-shape parameters (stacks of at most 64) with Adam state: adjusting a random subset keeps every
+    parameter's state bitwise, and the next update gives each parameter the step of its own lr."""
+    n = len(chosen)
+    model = {f"p{i}": jnp.zeros(2) for i in range(n)}    # zeros: x - (x - step) is the step exactly
+    grads = {f"p{i}": jnp.array([1.0, -0.5]) * (i % 7 + 1) for i in range(n)}
+    state = optim.setup(optim.Adam(0.1), model)
+    for _ in range(steps):
+        state, _ = optim.update(state, model, grads)
+    picked = [f"p{i}" for i, c in enumerate(chosen) if c]
+    if not picked:
+        return
+    new = optim.adjust(state, *picked, lr=0.01)
+    for p in model:
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new[p].state, state[p].state)
+    _, m_new = optim.update(new, model, grads)
+    _, m_old = optim.update(state, model, grads)
+    for i, p in enumerate(model):
+        moved_new, moved_old = np.asarray(model[p] - m_new[p]), np.asarray(model[p] - m_old[p])
+        np.testing.assert_allclose(moved_new, moved_old * (0.1 if chosen[i] else 1.0), rtol=2e-5)

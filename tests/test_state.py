@@ -83,3 +83,102 @@ def test_rule_property_refuses_a_state_with_several_rules():
     # equal rules chosen per leaf are one rule: no ambiguity
     same = optim.setup(lambda path, x: optim.Adam(0.1), model)
     assert isinstance(same.rule, optim.Adam) and float(same.rule.lr) == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------------------------- by_path
+def _mlp():
+    return {"layers": [{"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([0.5, -0.5])},
+                       {"w": jnp.array([[2.0, 1.0], [-1.0, 0.0]]), "bias": jnp.array([1.0, 2.0])}],
+            "norm": {"scale": jnp.array([1.0, 1.0])}}
+
+
+def _mlp_grads(k):
+    return jax.tree.map(lambda x: jnp.cos(x * k + jnp.arange(x.size).reshape(x.shape)), _mlp())
+
+
+def test_by_path_no_decay_on_biases_and_norms_matches_optax_multi_transform():
+    """The common recipe: AdamW with weight decay for matrices, Adam (no decay) for biases and norm scales;
+    against optax.multi_transform with the same labels, 10 steps in float64."""
+    optax = pytest.importorskip("optax")
+    with jax.enable_x64(True):
+        model = jax.tree.map(lambda a: a.astype(jnp.float64), _mlp())
+        rule = optim.by_path({"*.bias": optim.Adam(0.01), "norm": optim.Adam(0.01),
+                              "*": optim.AdamW(0.01, weight_decay=0.1)})
+        state, m = optim.setup(rule, model), model
+        labels = {"layers": [{"w": "decay", "bias": "plain"}] * 2, "norm": {"scale": "plain"}}
+        tx = optax.multi_transform({"decay": optax.adamw(0.01, weight_decay=0.1), "plain": optax.adam(0.01)},
+                                   labels)
+        ost, om = tx.init(model), model
+        for k in range(1, 11):
+            g = jax.tree.map(lambda a: a.astype(jnp.float64), _mlp_grads(k))
+            state, m = optim.update(state, m, g)
+            u, ost = tx.update(g, ost, om)
+            om = optax.apply_updates(om, u)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12), m, om)
+    assert [type(leaf.rule).__name__ for _, leaf in state.items()] == ["Adam", "AdamW", "Adam", "AdamW", "Adam"]
+
+
+def test_by_path_first_match_wins_and_patterns_match_like_freeze():
+    rule = optim.by_path({"layers.1": optim.Descent(1.0),          # a prefix: everything below layers.1
+                          "layers.0.w": optim.Descent(2.0),        # an exact path
+                          "*s.*.bias": optim.Descent(3.0),         # fnmatch; layers.1.bias matched above
+                          "": optim.Descent(4.0)})                 # the empty prefix: every other leaf
+    state = optim.setup(rule, _mlp())
+    lrs = {p: float(leaf.rule.lr) for p, leaf in state.items()}
+    assert lrs == {"layers.0.w": 2.0, "layers.0.bias": 3.0, "layers.1.w": 1.0, "layers.1.bias": 1.0,
+                   "norm.scale": 4.0}
+
+
+def test_by_path_unmatched_leaf_and_split_tie_group_raise_naming_paths():
+    with pytest.raises(ValueError, match=r"no pattern matches the trainable leaf 'norm.scale' \(patterns: "
+                                         r"'layers'\)"):
+        optim.setup(optim.by_path({"layers": optim.Adam()}), _mlp())
+    w = jnp.ones(2)
+    with pytest.raises(ValueError, match="'emb' and 'head' are tied"):
+        optim.setup(optim.by_path({"emb": optim.Adam(), "head": optim.Lion()}), {"emb": w, "head": w})
+    # A tie whose members reach the same rule through different patterns is one parameter.
+    rule = optim.Adam(0.1)
+    state = optim.setup(optim.by_path({"emb": rule, "head": rule}), {"emb": w, "head": w, "n": 3})
+    assert len(state) == 1 and state.ties() == {"emb": ("head",)}
+
+
+def test_by_path_refuses_a_malformed_table():
+    with pytest.raises(TypeError, match="non-empty dict"):
+        optim.by_path({})
+    with pytest.raises(TypeError, match="non-empty dict"):
+        optim.by_path([("*", optim.Adam())])
+    with pytest.raises(TypeError, match="patterns are dotted-path strings, got int 3"):
+        optim.by_path({3: optim.Adam()})
+    with pytest.raises(TypeError, match="the entry for '\\*' is 0.1, which is not a rule"):
+        optim.by_path({"*": 0.1})
+
+
+def test_by_path_state_trains_under_jit_and_saves(tmp_path):
+    rule = optim.by_path({"*.bias": optim.Momentum(0.1), "*": optim.Adam(0.01)})
+    model = _mlp()
+    state = optim.setup(rule, model)
+    step = jax.jit(optim.update)
+    for k in range(3):
+        state, model = step(state, model, _mlp_grads(k))
+    optim.save(tmp_path / "s.optim", state)
+    back = optim.load(tmp_path / "s.optim", optim.setup(rule, _mlp()))
+    for p, leaf in state.items():
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), back[p].state, leaf.state)
+        assert type(back[p].rule) is type(leaf.rule)
+
+
+def test_scale_multiplies_the_step_and_adjusts_by_path():
+    optax = pytest.importorskip("optax")
+    model = _mlp()
+    state = optim.setup(optim.chain(optim.Adam(0.01), optim.Scale(0.5)), model)
+    tx = optax.chain(optax.adam(0.01), optax.scale(0.5))
+    ost, om, m = tx.init(model), model, model
+    for k in range(1, 4):
+        state, m = optim.update(state, m, _mlp_grads(k))
+        u, ost = tx.update(_mlp_grads(k), ost, om)
+        om = optax.apply_updates(om, u)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), m, om)
+    state = optim.adjust(state, "norm", f=-1.0)        # a negative factor steps uphill
+    assert float(state["norm.scale"].rule.rules[1].f) == -1.0 and float(state["layers.0.w"].rule.rules[1].f) == 0.5
+    with pytest.raises(ValueError, match="Scale: f must be a number and finite, got inf"):
+        optim.Scale(float("inf"))
