@@ -54,3 +54,93 @@ def test_optax_block():
     assert scope["state"].ties() == {"a": ("b",)}
     np.testing.assert_allclose(scope["model"]["a"], scope["model"]["b"])
     assert not np.allclose(scope["model"]["a"], w)
+
+
+def _block(marker):
+    return next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if marker in b)
+
+
+def test_recipe_no_decay_on_biases_and_scales():
+    import optim
+
+    scope: dict = {}
+    exec(_block('"*.scale": optim.Adam'), scope)
+    state, model = scope["state"], scope["model"]
+    rules = {p: type(leaf.rule).__name__ for p, leaf in state.items()}
+    assert rules == {"block.bias": "Adam", "block.norm.bias": "Adam", "block.norm.scale": "Adam", "block.w": "AdamW",
+                     "embed": "AdamW", "head.bias": "Adam", "head.w": "AdamW"}
+    assert all(isinstance(state[p].rule, optim.AdamW) is (rules[p] == "AdamW") for p in rules)
+    # A zero gradient: AdamW's decoupled decay lr * weight_decay = 1e-3 shrinks the matrices, nothing else moves.
+    for w in (model["embed"], model["block"]["w"], model["head"]["w"]):
+        np.testing.assert_allclose(w, 0.999, rtol=1e-6)
+    for b in (model["block"]["bias"], model["block"]["norm"]["scale"], model["block"]["norm"]["bias"],
+              model["head"]["bias"]):
+        np.testing.assert_array_equal(b, 1.0)
+
+
+def test_recipe_mup_learning_rates():
+    import jax
+    import jax.numpy as jnp
+    import optim
+
+    scope: dict = {}
+    exec(_block("base_width"), scope)
+    state, same, model = scope["state"], scope["same"], scope["model"]
+    want = {"layers.0.w": 1e-2, "layers.1.w": 2.5e-3, "layers.2.w": 2.5e-3,
+            "layers.0.b": 1e-2, "layers.1.b": 1e-2, "layers.2.b": 1e-2}
+    for s in (state, same):
+        assert {p: round(float(leaf.rule.lr), 8) for p, leaf in s.items()} == want
+    # The by_path table and the adjusted single rule train the same.
+    grads = jax.tree.map(jnp.ones_like, model)
+    a, b = optim.update(state, model, grads)[1], optim.update(same, model, grads)[1]
+    for k, lr in enumerate((1e-2, 2.5e-3, 2.5e-3)):          # Adam's first step from zeros: -lr * sign(g)
+        np.testing.assert_allclose(a["layers"][k]["w"], -lr, rtol=1e-4)
+        np.testing.assert_allclose(b["layers"][k]["w"], -lr, rtol=1e-4)
+
+    # The prose after the block: layers.1.w and layers.2.w share one rule, the first split compiles once, then no more.
+    traces = []
+    step = jax.jit(lambda s, m, g: traces.append(1) or optim.update(s, m, g))
+    state, model = step(state, model, grads)
+    state = optim.adjust(state, "layers.2.w", lr=1e-3)
+    state, model = step(state, model, grads)
+    assert len(traces) == 2
+    for p, lr in (("layers.2.w", 5e-4), ("layers.1.w", 2e-3), ("layers.2.w", 1e-4)):
+        state = optim.adjust(state, p, lr=lr)
+        state, model = step(state, model, grads)
+    assert len(traces) == 2
+    assert round(float(state["layers.1.w"].rule.lr), 8) == 2e-3
+    assert round(float(state["layers.2.w"].rule.lr), 8) == 1e-4
+
+
+def test_recipe_reduce_on_plateau(monkeypatch, capsys):
+    import optim
+
+    traces = []
+    update = optim.update
+    monkeypatch.setattr(optim, "update", lambda *a, **k: traces.append(1) or update(*a, **k))
+    scope: dict = {}
+    exec(_block("patience"), scope)
+    lr, state, model = scope["lr"], scope["state"], scope["model"]
+    assert len(traces) == 1                              # 150 steps and every adjust: one trace of `step`
+    halvings = np.log2(0.3 / lr)
+    assert halvings >= 1 and abs(halvings - round(halvings)) < 1e-9   # lr = 0.3 * 0.5 ** k, k >= 1
+    np.testing.assert_allclose(float(state["w"].rule.lr), lr, rtol=1e-6)
+    assert scope["best"] < 1e-4
+    np.testing.assert_allclose([float(model["w"]), float(model["b"])], [3.0, 0.5], atol=1e-2)
+    assert capsys.readouterr().out.startswith(f"lr {lr:.3g}, best validation loss")
+
+
+def test_recipe_microbatch():
+    import jax
+
+    scope: dict = {}
+    exec(_block("optim.microbatch("), scope)
+    w = scope["w"]
+    full_l, full_g = jax.value_and_grad(scope["loss"])({"emb": w, "head": w}, scope["x"], scope["y"])
+    np.testing.assert_allclose(float(scope["l"]), float(full_l), rtol=1e-6)
+    assert float(scope["l"]) == 64.0
+    for k in ("emb", "head"):
+        np.testing.assert_allclose(scope["grads"][k], full_g[k], rtol=1e-6)
+    assert scope["model"]["emb"] is scope["model"]["head"]
+    np.testing.assert_allclose(scope["model"]["emb"], 1.0 - 1e-3, rtol=1e-5)   # Adam's first step: lr * sign(g)
+    assert scope["state"].ties() == {"emb": ("head",)}
