@@ -11,6 +11,7 @@
 """
 
 from ._adjust import adjust, freeze, thaw
+from ._average import EMA, averaged
 from ._checkpoint import load, save
 from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
@@ -37,7 +38,7 @@ __all__ = [
     "setup", "by_path", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args",
     "WholeTreeError",
     "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
-    "destructure", "microbatch",
+    "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Muon", "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",

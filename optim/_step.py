@@ -28,7 +28,7 @@ import numpy as np
 from . import _hyper
 from ._tree import register_struct, struct_repr
 
-__all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row"]
+__all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of"]
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -202,6 +202,14 @@ def clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
     unclipped one)."""
     ok = norm <= max_norm
     return jnp.where(ok, 1, max_norm / jnp.where(ok, 1, norm)).astype(max_norm.dtype)
+
+
+def average_of(rule: Any, state: Any, x: jax.Array) -> Any:
+    """The value to evaluate parameter `x` with, from `rule`'s state: what `optim.averaged` returns for it, or
+    `None` when the rule keeps no average. A rule that keeps one (`EMA`) defines `average(state, x)`; rules
+    that wrap another delegate to it."""
+    average = getattr(rule, "average", None)
+    return None if average is None else average(state, x)
 
 
 def is_rule(v: Any) -> bool:

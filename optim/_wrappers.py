@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from . import _hyper
 from ._schedules import Hyper
 from ._step import (Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute,
-                    clip_factor)
+                    average_of, clip_factor)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "SkipLargeUpdates", "joint_norm"]
@@ -91,6 +91,14 @@ class OptimiserChain(Rule):
                 steps[i] = step
         out = [Gated(st, ok) if st is not None and ok is not None else st for st, ok in zip(steps, oks)]
         return [tuple(s) for s in new], out
+
+    def average(self, states, x):
+        """The first stage's average that there is (`optim.averaged`)."""
+        for rule, st in zip(self.rules, states):
+            avg = average_of(rule, st, x)
+            if avg is not None:
+                return avg
+        return None
 
     def __repr__(self):
         return "OptimiserChain(" + ", ".join(map(repr, self.rules)) + ")"
@@ -196,6 +204,10 @@ class MixedPrecision(Rule):
         return ([(m, st) for m, st in zip(new_masters, inner)],
                 [Replace(m.astype(x.dtype)) for m, x in zip(new_masters, xs)])
 
+    def average(self, state, x):
+        avg = average_of(self.rule, state[1], state[0])     # the inner rule sees the master copy
+        return None if avg is None else avg.astype(x.dtype)
+
 
 # ----------------------------------------------------------------------------------------------- whole-model rules
 def joint_norm(dxs: list) -> jax.Array:
@@ -281,6 +293,9 @@ class SkipNonFinite(Rule):
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
         new = [(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32)) for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st, ok) for st in steps]
+
+    def average(self, state, x):
+        return average_of(self.rule, state[0], x)
 
 
 class SkipLargeUpdates(Rule):
@@ -412,3 +427,6 @@ class SkipLargeUpdates(Rule):
                for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st.step, st.ok & ok) if isinstance(st, Gated) else Gated(st, ok)
                      for st in steps]
+
+    def average(self, state, x):
+        return average_of(self.rule, state[0], x)
