@@ -219,6 +219,9 @@ def main(args) -> dict:
     warmup = max(1, min(100, args.steps // 10))
     schedule = optim.warmup_cosine(args.lr, warmup, max(args.steps, warmup + 1), final=args.lr / 10)
     rule = optim.OptimiserChain(optim.ClipGlobalNorm(1.0), optim.AdamW(schedule, weight_decay=0.1))
+    # Also keep a moving average of the parameters to evaluate with; its decay is a schedule too, rising as
+    # training settles (a fixed 0.99 would hold on to the random initialisation for the first hundreds of steps).
+    rule = optim.EMA(rule, decay=optim.Linear(0.5, 0.99, max(1, args.steps // 2)))
     state = optim.setup(rule, params)        # finds the tie: {'embed': ('unembed',)}
     n_params = sum(a.size for a in optim.trainables(params))         # the tied array counts once
     n_positions = sum(a.size for a in jax.tree.leaves(params))
@@ -244,8 +247,10 @@ def main(args) -> dict:
 
     def step_fn(state, params, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y, heads)
-        state, params = optim.update(state, params, grads)
-        return state, params, loss
+        # Norms from the same compiled step, the tied embedding counted once; only the global ones are returned
+        # (per-parameter norms are in stats["per_param"], keyed by path).
+        state, params, stats = optim.update(state, params, grads, return_stats=True)
+        return state, params, (loss, stats["grad_norm"], stats["update_norm"])
 
     train_step = jax.jit(step_fn) if mesh is None else jax.jit(step_fn, out_shardings=replicated)
     eval_loss = jax.jit(lambda p, x, y: loss_fn(p, x, y, heads))
@@ -272,24 +277,26 @@ def main(args) -> dict:
     t0 = time.perf_counter()
     t_steady, steady_steps = None, 0
     pending: list = []
+    norms: list[tuple[float, float]] = []            # (gradient norm, update norm) per step
     bar = tqdm(range(start, args.steps), initial=0, total=max(args.steps - start, 0), unit="step",
                dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     for i in bar:
         x, y = next(data)
         if mesh is not None:
             x, y = jax.device_put((x, y), rows)
-        state, params, loss = train_step(state, params, x, y)
-        pending.append(loss)
+        state, params, logged = train_step(state, params, x, y)
+        pending.append(logged)
         if (i + 1 - start) % val_every == 0 and i + 1 < args.steps:
             val.append((i + 1, val_loss(params)))
         if len(pending) == 10 or i == args.steps - 1:
-            losses.extend(float(v) for v in pending)          # one device sync per 10 steps
+            losses.extend(float(v[0]) for v in pending)       # one device sync per 10 steps
+            norms.extend((float(v[1]), float(v[2])) for v in pending)
             pending = []
             now = time.perf_counter()
             if t_steady is None:                              # exclude the first (compiling) steps
                 t_steady, steady_steps = now, i + 1 - start
             rate = (i + 1 - start - steady_steps) * tokens_per_step / max(now - t_steady, 1e-9)
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}",
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", grad_norm=f"{norms[-1][0]:.2f}",
                             tok_s=f"{rate:,.0f}" if rate else "...", refresh=False)
     bar.close()
     jax.block_until_ready(params)
@@ -298,6 +305,7 @@ def main(args) -> dict:
     timed = done - steady_steps
     tok_s = timed * tokens_per_step / (time.perf_counter() - t_steady) if t_steady and timed > 0 else float("nan")
     val_end = val_loss(params)
+    val_ema = val_loss(optim.averaged(state, params))   # the moving average of the parameters, tie kept
     if val[-1][0] != args.steps:
         val.append((max(args.steps, start), val_end))
 
@@ -326,13 +334,17 @@ def main(args) -> dict:
     print(f"\nsteps {start} -> {int(state.step)} in {wall:.1f} s "
           f"({tok_s:,.0f} tokens/s after compilation, {n_dev} device{'s' * (n_dev > 1)})")
     print(f"train loss (10-step means over the whole run): first {first:.3f}  last {last:.3f}")
-    print(f"val loss: {val_start:.3f} -> {val_end:.3f}   (uniform guess: {math.log(len(vocab)):.3f})")
+    print(f"val loss: {val_start:.3f} -> {val_end:.3f}   (uniform guess: {math.log(len(vocab)):.3f});  "
+          f"with the EMA of the parameters: {val_ema:.3f}")
+    if norms:
+        print(f"gradient norm (each parameter once, the tie's gradients summed): first {norms[0][0]:.3f}  "
+              f"last {norms[-1][0]:.3f};  update norm: first {norms[0][1]:.2e}  last {norms[-1][1]:.2e}")
     print(f"tie held: embed == unembed, optim state ties {state.ties()}")
     print(f"loss curve: {png}")
     print(f"checkpoint: {ckpt} (optim.save: state, tie map and model, the tied embedding once)")
     print(f"--- sample ({args.sample} characters, temperature 0.8) ---{prompt}{text}\n---")
-    return {"first": first, "last": last, "val_start": val_start, "val_end": val_end, "tok_s": tok_s,
-            "wall": wall}
+    return {"first": first, "last": last, "val_start": val_start, "val_end": val_end, "val_ema": val_ema,
+            "tok_s": tok_s, "wall": wall, "grad_norm_last": norms[-1][0] if norms else float("nan")}
 
 
 def plot(losses, val, lrs, path: Path, resumed_at: int, title: str) -> None:

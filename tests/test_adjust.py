@@ -411,3 +411,41 @@ def test_property_adjust_by_path_restacks_exactly(chosen, steps):
     for i, p in enumerate(model):
         moved_new, moved_old = np.asarray(model[p] - m_new[p]), np.asarray(model[p] - m_old[p])
         np.testing.assert_allclose(moved_new, moved_old * (0.1 if chosen[i] else 1.0), rtol=2e-5)
+
+
+def test_reduce_on_plateau_with_adjust_matches_optax_contrib():
+    """The README's recipe (a host-side plateau test, then `adjust`) makes the same decisions and steps as
+    optax.contrib.reduce_on_plateau on the same values, with its defaults' logic (rtol, patience, cooldown 0)."""
+    optax = pytest.importorskip("optax")
+    factor, patience, rtol = 0.5, 3, 1e-4
+    loss = lambda m: jnp.sum((m["w"] - jnp.array([3.0, -1.0])) ** 2)     # noqa: E731
+    with jax.enable_x64(True):
+        model = {"w": jnp.zeros(2, jnp.float64)}
+        tx = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(factor=factor, patience=patience,
+                                                                        rtol=rtol))
+        ostate, om = tx.init(model), model
+        state, m = optim.setup(optim.Descent(1.0), model), model
+        lr, best, bad, lrs = 1.0, float("inf"), 0, []
+        traces = []
+
+        @jax.jit
+        def step(s, m):
+            traces.append(1)
+            return optim.update(s, m, jax.grad(loss)(m))
+
+        for _ in range(40):
+            val = float(loss(m))
+            if val < (1 - rtol) * best:
+                best, bad = val, 0
+            else:
+                bad += 1
+                if bad == patience:
+                    lr, bad = lr * factor, 0
+                    state = optim.adjust(state, lr=lr)
+            lrs.append(lr)
+            state, m = step(state, m)
+            updates, ostate = tx.update(jax.grad(loss)(om), ostate, om, value=loss(om))
+            om = optax.apply_updates(om, updates)
+            np.testing.assert_allclose(m["w"], om["w"], rtol=1e-12, atol=1e-12)
+        assert float(ostate[1].scale) == lr and len(traces) == 1
+        assert sorted(set(lrs), reverse=True)[:3] == [1.0, 0.5, 0.25]    # it did reduce, more than once

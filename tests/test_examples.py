@@ -28,6 +28,7 @@ def test_train_tied_lm_tiny_then_resume(tmp_path):
     pytest.importorskip("matplotlib")
     out = run("train_tied_lm.py", "--steps", "20", "--size", "tiny", "--sample", "40", "--out", str(tmp_path))
     assert "tie held" in out and "{'embed': ('unembed',)}" in out
+    assert "with the EMA of the parameters" in out and "gradient norm (each parameter once" in out
     assert (tmp_path / "loss.png").stat().st_size > 1000
     with np.load(tmp_path / "checkpoint.npz", allow_pickle=False) as ckpt:   # an optim.save file, no pickle
         assert {"meta", "check", "data"} <= set(ckpt.files)

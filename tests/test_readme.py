@@ -38,8 +38,10 @@ def test_beyond_the_anchors_block():
     w = jnp.array([3.0, 4.0])
     scope = {"jax": jax, "optim": optim, "model": {"a": w, "b": w}, "grads": {"a": w, "b": w}}
     exec(block, scope)
-    assert int(scope["state"].step) == 1
+    assert int(scope["state"].step) == 2
     np.testing.assert_allclose(float(optim.global_norm(scope["g"])), 10.0, rtol=1e-6)
+    np.testing.assert_allclose(float(scope["stats"]["grad_norm"]), 10.0, rtol=1e-6)   # the tie counted once
+    assert sorted(scope["stats"]["per_param"]) == ["a"]
 
 
 def test_optax_block():
