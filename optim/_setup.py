@@ -46,8 +46,9 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
 
     A trainable leaf that no pattern matches is a `ValueError` naming it (end the table with `"*"` for a
     default); so is a tie group whose members match patterns with different rules (a tie group is one
-    parameter, with one rule). Each pattern's parameters may still be adjusted alone:
-    `adjust(state, "*.bias", lr=...)`.
+    parameter, with one rule). Entries stay separate rules even when they are equal, so each pattern's
+    parameters can be adjusted alone, `adjust(state, "*.bias", lr=...)`, without compiling a new program
+    (the same rule object under several patterns is one rule).
 
     >>> import jax.numpy as jnp, optim
     >>> model = {"dense": {"w": jnp.ones((2, 2)), "bias": jnp.zeros(2)}, "norm": {"scale": jnp.ones(2)}}
@@ -173,6 +174,10 @@ def _check_ties_form(ties: Any) -> None:
 def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tuple[list, dict]:
     if is_rule(rule):
         return [rule], {c: 0 for c in groups}
+    # Parameters with equal rules share one rule (and so can be stacked): a function that builds a new rule per
+    # call is common. A by_path table's entries stay apart even when equal, so that `adjust` of one pattern's
+    # parameters never has to split a rule (which would compile a new program).
+    same = (lambda a, b: a is b) if isinstance(rule, by_path) else _same
     rules: list = []
     rule_of = {}
     for c, members in groups.items():
@@ -180,10 +185,10 @@ def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tup
         for i, r in zip(members, chosen):
             if not is_rule(r):
                 raise TypeError(f"setup: the rule function returned {r!r} for {show(paths[i])}, which is not a rule")
-            if not _same(r, chosen[0]):
+            if not same(r, chosen[0]):
                 raise ValueError(f"setup: {show(paths[c])} and {show(paths[i])} are tied (one parameter) but the rule "
                                  f"function gives them different rules: {chosen[0]!r} and {r!r}")
-        k = next((k for k, r in enumerate(rules) if _same(r, chosen[0])), None)
+        k = next((k for k, r in enumerate(rules) if same(r, chosen[0])), None)
         if k is None:
             k = len(rules)
             rules.append(chosen[0])

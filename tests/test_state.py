@@ -182,3 +182,14 @@ def test_scale_multiplies_the_step_and_adjusts_by_path():
     assert float(state["norm.scale"].rule.rules[1].f) == -1.0 and float(state["layers.0.w"].rule.rules[1].f) == 0.5
     with pytest.raises(ValueError, match="Scale: f must be a number and finite, got inf"):
         optim.Scale(float("inf"))
+
+
+def test_by_path_entries_stay_separate_rules_so_adjusting_one_never_splits():
+    model = {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2)}
+    shared = optim.Adam(0.1)
+    state = optim.setup(optim.by_path({"a": optim.Adam(0.1), "b": optim.Adam(0.1), "c": shared}), model)
+    assert len(state.rules) == 3
+    assert len(optim.setup(optim.by_path({"a": shared, "*": shared}), model).rules) == 1   # one object: one rule
+    adjusted = optim.adjust(state, "b", lr=0.5)
+    assert adjusted.layout is state.layout       # data only: no split, so no new program
+    assert float(adjusted["b"].rule.lr) == 0.5 and float(adjusted["a"].rule.lr) == pytest.approx(0.1)
