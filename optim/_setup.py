@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ from ._stack import init_stack, placement
 from ._step import is_rule
 from ._state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from ._ties import tie_groups, tie_positions
-from ._tree import PyTree, canonical_dtype, describe, is_trainable, show, unique_index
+from ._tree import PyTree, canonical_dtype, describe, is_trainable, match_positions, show, unique_index
 
 
 def _canonical_hyper(rule: Any) -> Any:
@@ -72,21 +71,21 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
                                 "init(x) and apply(state, x, dx, *dxs))")
         self.table = dict(table)
 
-    def __call__(self, path: str, x: Any) -> Any:
+    def assign(self, paths: Sequence[str], positions: Sequence[int]) -> dict[int, Any]:
+        """`{position: rule}` for the given (trainable) positions of a model whose leaves have dotted `paths`."""
+        out: dict[int, Any] = {}
         for pattern, rule in self.table.items():
-            if path_matches(path, pattern):
-                return rule
-        raise ValueError(f"by_path: no pattern matches the trainable leaf {show(path)} (patterns: "
-                         f"{', '.join(map(repr, self.table))}); add an entry for it, or '*' for every other leaf")
+            for i in match_positions(paths, pattern, positions):
+                out.setdefault(i, rule)
+        for i in positions:
+            if i not in out:
+                raise ValueError(f"by_path: no pattern matches the trainable leaf {show(paths[i])} (patterns: "
+                                 f"{', '.join(map(repr, self.table))}); add an entry for it, or '*' for every "
+                                 "other leaf")
+        return out
 
     def __repr__(self) -> str:
         return "by_path({" + ", ".join(f"{k!r}: {v!r}" for k, v in self.table.items()) + "})"
-
-
-def path_matches(path: str, pattern: str) -> bool:
-    """Whether `pattern` selects the dotted `path`, as `freeze` and `adjust` do: the path itself, a prefix of it,
-    or an fnmatch pattern."""
-    return (pattern in ("", path) or path.startswith(pattern + ".")) or fnmatch.fnmatchcase(path, pattern)
 
 
 def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,
@@ -113,7 +112,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
     ('Muon', 'AdamW')
     """
-    if not is_rule(rule) and not callable(rule):
+    if not is_rule(rule) and not callable(rule) and not isinstance(rule, by_path):
         raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
     if like is not None and not isinstance(like, State):
         raise TypeError(f"setup: like= takes a State, got {type(like).__name__}")
@@ -177,11 +176,15 @@ def _choose_rules(rule: RuleSpec, groups: dict, paths: Any, leaves: list) -> tup
     # Parameters with equal rules share one rule (and so can be stacked): a function that builds a new rule per
     # call is common. A by_path table's entries stay apart even when equal, so that `adjust` of one pattern's
     # parameters never has to split a rule (which would compile a new program).
-    same = (lambda a, b: a is b) if isinstance(rule, by_path) else _same
+    if isinstance(rule, by_path):
+        table = rule.assign(tuple(paths), [i for members in groups.values() for i in members])
+        choose, same = table.__getitem__, (lambda a, b: a is b)
+    else:
+        choose, same = (lambda i: rule(paths[i], leaves[i])), _same
     rules: list = []
     rule_of = {}
     for c, members in groups.items():
-        chosen = [rule(paths[i], leaves[i]) for i in members]
+        chosen = [choose(i) for i in members]
         for i, r in zip(members, chosen):
             if not is_rule(r):
                 raise TypeError(f"setup: the rule function returned {r!r} for {show(paths[i])}, which is not a rule")

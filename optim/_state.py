@@ -14,7 +14,6 @@ the per-call cost is nil.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._stack import stack_states, make_stacks
-from ._tree import describe, flatten, show, suggest, unique_index
+from ._tree import describe, flatten, match_positions, show, suggest, unique_index
 
 
 class TiedCopy(NamedTuple):
@@ -145,19 +144,10 @@ class Layout:
         return u
 
     def match(self, pattern: str) -> list[int]:
-        """Parameters with a member path equal to `pattern`; if none is, those with a member below it or, for a
-        pattern that names no path, fnmatch-matching it. An exact path means that path only: `"w[0]"` (a dict
-        key with brackets) is not the glob that also matches `"w0"`."""
-        if pattern in self.index:
-            u = self.param_of[self.index[pattern]]
-            return [u] if u >= 0 else []
-        hits = set()
-        for i, p in enumerate(self.paths):
-            if self.param_of[i] >= 0 and (p.startswith(pattern + ".") or pattern == "" or p == pattern):
-                hits.add(self.param_of[i])
-        if not hits:
-            hits = {self.param_of[i] for i, p in enumerate(self.paths)
-                    if self.param_of[i] >= 0 and fnmatch.fnmatchcase(p, pattern)}
+        """Parameters with a member that `pattern` selects (`optim._tree.match_positions`: the exact path, else
+        a dotted-path prefix, else an fnmatch pattern)."""
+        trainable = [i for i, u in enumerate(self.param_of) if u >= 0]
+        hits = {self.param_of[i] for i in match_positions(self.paths, pattern, trainable)}
         clash = sorted({self.paths[i] for i, p in enumerate(self.param_of) if p in hits} & self.ambiguous)
         if clash:
             raise PathError(f"{show(pattern)} selects {show(clash[0])}, a dotted name that several leaves of this "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+import fnmatch
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +155,15 @@ def struct_repr(obj: Any) -> str:
 
     args = ", ".join(f"{f.name}={fmt_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
     return f"{type(obj).__name__}({args})"
+
+
+def match_positions(paths: Sequence[str], pattern: str, candidates: Sequence[int]) -> list[int]:
+    """The candidate positions a path pattern selects, as `freeze`, `adjust` and `by_path` read patterns: the
+    leaf at that exact dotted path if the model has one (an exact path means that path only: `"w[0]"`, a dict key
+    with brackets, is not the glob that also matches `"w0"`); else the candidates below it as a dotted-path
+    prefix (`""`: all of them); else those that fnmatch-match it (`*` also crosses dots)."""
+    if pattern in paths:
+        keep = set(candidates)
+        return [i for i, p in enumerate(paths) if p == pattern and i in keep]
+    below = [i for i in candidates if pattern == "" or paths[i].startswith(pattern + ".")]
+    return below or [i for i in candidates if fnmatch.fnmatchcase(paths[i], pattern)]

@@ -193,3 +193,12 @@ def test_by_path_entries_stay_separate_rules_so_adjusting_one_never_splits():
     adjusted = optim.adjust(state, "b", lr=0.5)
     assert adjusted.layout is state.layout       # data only: no split, so no new program
     assert float(adjusted["b"].rule.lr) == 0.5 and float(adjusted["a"].rule.lr) == pytest.approx(0.1)
+
+
+def test_by_path_exact_path_means_that_path_only():
+    """As in freeze: a pattern that is a path of the model selects that leaf, not the glob it also reads as."""
+    model = {"w[0]": jnp.ones(2), "w0": jnp.ones(2)}
+    state = optim.setup(optim.by_path({"w[0]": optim.Adam(), "*": optim.Descent()}), model)
+    assert type(state["w[0]"].rule) is optim.Adam and type(state["w0"].rule) is optim.Descent
+    frozen = optim.freeze(optim.setup(optim.Adam(), model), "w[0]")
+    assert frozen["w[0]"].frozen and not frozen["w0"].frozen
