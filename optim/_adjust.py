@@ -110,6 +110,8 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
         if not mine:
             continue
         new = _adjust_rule(state.rules[r], hyper, used)
+        if new is state.rules[r]:       # this rule has none of the fields: nothing to split
+            continue
         if len(mine) == len(us):
             rules[r] = new
         else:
@@ -203,7 +205,7 @@ def _check_same_states(lay: Any, pairs: list) -> None:
     """A swapped-in rule must keep the same state (structure, shapes, dtypes) as the rule it replaces: `pairs`
     holds each parameter's (old rule, new rule)."""
     seen = set()
-    for u, (p, (old, new)) in enumerate(zip(lay.params, pairs)):
+    for p, (old, new) in zip(lay.params, pairs):
         if (id(old), id(new), p.shape, p.dtype) in seen:     # one check per rule pair, shape and dtype
             continue
         seen.add((id(old), id(new), p.shape, p.dtype))

@@ -449,3 +449,10 @@ def test_reduce_on_plateau_with_adjust_matches_optax_contrib():
             np.testing.assert_allclose(m["w"], om["w"], rtol=1e-12, atol=1e-12)
         assert float(ostate[1].scale) == lr and len(traces) == 1
         assert sorted(set(lrs), reverse=True)[:3] == [1.0, 0.5, 0.25]    # it did reduce, more than once
+
+
+def test_adjust_by_path_of_a_field_some_selected_rules_lack_splits_nothing():
+    model = _enc_dec()
+    state = optim.setup(optim.by_path({"enc.w": optim.Momentum(0.1), "*": optim.Adam(0.1)}), model)
+    out = optim.adjust(state, "enc", rho=0.5)     # enc.b's Adam has no rho: it keeps its shared rule
+    assert out.layout is state.layout and float(out["enc.w"].rule.rho) == 0.5
