@@ -1,9 +1,10 @@
 """Per-leaf rules: pure `init(x) -> state` and `apply(state, x, dx, *dxs) -> (state, step)` over one parameter.
 
 The new parameter is `x - step` (the protocol is in `optim._step`). Formulas and defaults follow Optimisers.jl
-v0.4 (Lion follows its paper). Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the
-step number (1 on the first step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`),
-`m̂ = m / (1 - bt₁)` and `v̂ = v / (1 - bt₂)`. Hyperparameters are numbers, arrays or schedules (`Hyper`);
+v0.4 (Lion follows its paper; Lamb, Lars and ScheduleFreeAdamW, which Optimisers.jl lacks, follow optax).
+Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
+step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`), `m̂ = m / (1 - bt₁)` and
+`v̂ = v / (1 - bt₂)`. Hyperparameters are numbers, arrays or schedules (`Hyper`);
 ranges are checked when a rule is built and when `adjust` changes them.
 
 Gradients reach `apply` already summed over a tie group, cast to the parameter's dtype and, for complex
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ._hyper import is_concrete, is_schedule
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
+from ._step import Rule, _abs2, _compute, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
 
 __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "Muon", "Scale",
+    "ClipNorm", "Muon", "Scale", "Lamb", "Lars", "ScheduleFreeAdamW",
 ]
 
 
@@ -917,3 +920,234 @@ class Muon(Rule):
         u = dx + rho * m if self.nesterov else m
         scale = max(1.0, x.shape[0] / x.shape[1]) ** 0.5
         return m, as_compute(self.lr, x) * scale * _newton_schulz(u, self.steps, as_compute(self.eps, x))
+
+
+# ----------------------------------------------------------------------------------------------- layer-wise
+def _norm(a: jax.Array) -> jax.Array:
+    """The 2-norm of all entries of `a` (Frobenius for a matrix), summed in at least float32."""
+    a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+    return jnp.sqrt(jnp.sum(_abs2(a)))
+
+
+def _trust_ratio(x: jax.Array, u: jax.Array, coef: jax.Array, eps: jax.Array) -> jax.Array:
+    """`coef ‖x‖ / (‖u‖ + ε)`, but 1 where `‖x‖ = 0` or `‖u‖ = 0` (optax's `scale_by_trust_ratio`: a zero
+    parameter still moves, a zero update stays zero), one number per parameter."""
+    pn, un = _norm(x), _norm(u)
+    zero = (pn == 0) | (un == 0)
+    return jnp.where(zero, 1, coef * pn / jnp.where(zero, 1, un + eps)).astype(coef.dtype)
+
+
+class Lamb(Rule):
+    """LAMB, Adam with a layer-wise trust ratio: `m`, `v` as in Adam,
+    `u = m̂ / (√(v̂ + ε_root) + ε) + λ x`, then `step = η (‖x‖ / ‖u‖) u`, the norms over the whole parameter
+    (the ratio is 1 where `‖x‖ = 0` or `‖u‖ = 0`, as optax: a zero-initialised parameter takes the plain
+    step `η u`). A tie group is one parameter: its ratio uses the tie-summed gradient.
+
+    Args:
+        lr: learning rate η, default 0.001, >= 0 (optax has no default).
+        beta: decay rates (β₁, β₂) of the moments, default (0.9, 0.999), each in [0, 1) (optax's `b1`, `b2`).
+        eps: ε, added outside the square root, default 1e-6, >= 0 (at least 1e-7 for 16-bit parameters).
+        weight_decay: λ, added to the Adam direction before the trust ratio, default 0.0, >= 0. Every
+            parameter is decayed (optax's `mask`): choose per path with `optim.by_path`, e.g.
+            `by_path({"*.bias": Lamb(1e-3), "*": Lamb(1e-3, weight_decay=0.01)})`.
+        eps_root: ε_root, added inside the square root, default 0.0, >= 0.
+
+    State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+
+    Reference: Y. You, J. Li, S. Reddi, J. Hseu, S. Kumar, S. Bhojanapalli, X. Song, J. Demmel, K. Keutzer,
+    C.-J. Hsieh, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", 2019,
+    https://arxiv.org/abs/1904.00962
+
+    optax: equals `optax.lamb(η, b1=β₁, b2=β₂, eps=ε, eps_root=ε_root, weight_decay=λ)` (the defaults are
+    optax's; only the names differ: the pair `beta`, and `lr`).
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.Lamb(0.1), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x.round(4)     # u ≈ sign(g), ratio ‖x‖ / ‖u‖ = √5 / √2
+    Array([0.8419, 2.1581], dtype=float32)
+    """
+
+    lr: Hyper = 0.001
+    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
+    eps: Hyper = 1e-6
+    weight_decay: Hyper = 0.0
+    eps_root: Hyper = 0.0
+    _nonneg = ("lr", "eps", "weight_decay", "eps_root")
+    _unit = ("beta",)
+
+    def init(self, x):
+        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+
+    def apply(self, state, x, dx, *dxs):
+        m, v, bt = state
+        m, v = _moments(self.beta, m, v, dx, x)
+        vhat = v / (1 - bt[1]) + as_compute(self.eps_root, x)
+        u = m / (1 - bt[0]) / (jnp.sqrt(vhat) + _eps(self.eps, x)) + as_compute(self.weight_decay, x) * x
+        lr = as_compute(self.lr, x)
+        step = (lr * _trust_ratio(x, u, jnp.ones((), lr.dtype), jnp.zeros((), lr.dtype))) * u
+        return (m, v, _bt_next(bt, self.beta, x)), step
+
+
+class Lars(Rule):
+    """LARS, momentum SGD with a layer-wise trust ratio: `u = g + λ x`,
+    `r = c ‖x‖ / (‖u‖ + ε)` (1 where `‖x‖ = 0` or `‖u‖ = 0`, as optax), `v ← ρ v + η r u`, `step = v`
+    (`nesterov=True`: `η r u + ρ v` with the new `v`). The norms are over the whole parameter; a tie group is
+    one parameter and its ratio uses the tie-summed gradient. Note that a zero parameter (a bias initialised
+    at 0) gets `r = 1`, a step `1/c` times larger than the trust-scaled ones: give such parameters another
+    rule with `optim.by_path` (optax's `trust_ratio_mask`).
+
+    Args:
+        lr: learning rate η, default 1.0, >= 0 (optax has no default; the trust coefficient makes the step
+            about `η c ‖x‖` per parameter).
+        rho: momentum ρ, default 0.9, in [0, 1] (optax's `momentum`).
+        weight_decay: λ, default 0.0, >= 0.
+        trust_coefficient: c, default 0.001, >= 0.
+        eps: ε added to `‖u‖`, default 0.0, >= 0.
+        nesterov: Nesterov momentum, default False (structural).
+
+    Every parameter gets the weight decay and the trust ratio (optax's `weight_decay_mask` and
+    `trust_ratio_mask` are per-leaf booleans): choose per path with `optim.by_path`, e.g.
+    `by_path({"*.bias": Momentum(0.1, 0.9), "*": Lars(1.0, weight_decay=1e-4)})`.
+
+    State: `v`, the velocity (parameter dtype), starting at 0. It accumulates `η r u`, so a changed η (adjust,
+    schedule) affects new gradients only, as in optax (which scales by η before its trace).
+
+    Reference: Y. You, I. Gitman, B. Ginsburg, "Large Batch Training of Convolutional Networks", 2017,
+    https://arxiv.org/abs/1708.03888
+
+    optax: equals `optax.lars(η, weight_decay=λ, trust_coefficient=c, eps=ε, momentum=ρ, nesterov=...)`
+    (the defaults are optax's).
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.Lars(0.1), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x.round(5)     # r = 0.001 · √5 / √1.25 = 0.002
+    Array([0.9999, 2.0002], dtype=float32)
+    """
+
+    lr: Hyper = 1.0
+    rho: Hyper = 0.9
+    weight_decay: Hyper = 0.0
+    trust_coefficient: Hyper = 0.001
+    eps: Hyper = 0.0
+    nesterov: bool = False
+    _static = ("nesterov",)
+    _nonneg = ("lr", "weight_decay", "trust_coefficient", "eps")
+    _decay = ("rho",)
+
+    def init(self, x):
+        return jnp.zeros_like(x)
+
+    def apply(self, v, x, dx, *dxs):
+        rho, lr = as_compute(self.rho, x), as_compute(self.lr, x)
+        u = dx + as_compute(self.weight_decay, x) * x
+        s = (lr * _trust_ratio(x, u, as_compute(self.trust_coefficient, x), as_compute(self.eps, x))) * u
+        v = rho * v + s
+        return v, (s + rho * v if self.nesterov else v)
+
+
+# ----------------------------------------------------------------------------------------------- schedule-free
+class ScheduleFreeAdamW(Rule):
+    """Schedule-Free AdamW (Defazio et al. 2024): no momentum and no decaying schedule; the parameter the model
+    is trained at is the interpolation `y = β₁ x + (1 - β₁) z` of a base sequence `z`, which takes AdamW's
+    steps without momentum, and its weighted average `x`, the point to evaluate at (`optim.averaged`). Step
+    `t` (1 on a parameter's first step), with `y` the current parameter:
+
+    - `v ← β₂ v + (1 - β₂)|g|²`, `z ← z - η_z (g / (√(v / (1 - β₂ᵗ)) + ε) + λ y)` (decay at `y`);
+    - `x_prev = (y - (1 - β₁') z_prev) / β₁'` (β₁' the β₁ that built `y`), `η_max ← max(η_max, η_w)`,
+      `w = η_maxᵏ`, `S ← S + w`, `c = w / S` (0 while `S = 0`), `x = (1 - c) x_prev + c z`;
+    - the new parameter is `y = β₁ x + (1 - β₁) z`.
+
+    Warmup: `η_z = η min(t - 1, W) / W` and `η_w = η min(t, W) / W` (both `η` when `W = 0`), as optax, whose
+    two schedule counters are one apart (the first z step is 0 during warmup).
+
+    Counts are per parameter: a parameter with no step (a `None` gradient, frozen) keeps its `t`, warmup,
+    averaging weights and moments. A tie group is one parameter (tie-summed gradient).
+
+    Args:
+        lr: learning rate η (the peak, after warmup), default 0.0025, >= 0.
+        beta: (β₁, β₂): the interpolation weight of `y` and the decay of the second moment, default
+            (0.9, 0.999); β₁ in (0, 1) (0 would make `x` unrecoverable), β₂ in [0, 1).
+        eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        weight_decay: λ, scaled by `η_z` (PyTorch's convention), default 0.0, >= 0.
+        warmup_steps: W, the length of the linear warmup of η from 0, default 0.0 (none), >= 0.
+        weight_lr_power: k, the power of `η_max` in the averaging weights, default 2.0, >= 0.
+
+    All are adjustable (`optim.adjust`); a changed β₁ is safe: `x` is recovered with the β₁ stored in the
+    state and `y` rebuilt with the new one.
+
+    State: `(z, v, t, a)`: the base sequence `z` (starting at the parameter; its dtype, or float32 if that is
+    wider), the second moment `v` (real dtype, starting at 0), the number `t` of the next step (int32,
+    starting at 1) and `a = (S, η_max, β₁')` (compute dtype, starting at (0, 0, 1)).
+
+    Reference: A. Defazio, X. A. Yang, H. Mehta, K. Mishchenko, A. Khaled, A. Cutkosky, "The Road Less
+    Scheduled", 2024, https://arxiv.org/abs/2405.15682
+
+    optax: the parameters equal those of `optax.contrib.schedule_free_adamw(η, warmup_steps=W or None, b1=β₁,
+    b2=β₂, eps=ε, weight_decay=λ, weight_lr_power=k)` (the defaults are optax's) and
+    `optim.averaged(state, model)` equals `optax.contrib.schedule_free_eval_params(opt_state, params)`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.ScheduleFreeAdamW(0.1), x)
+    >>> for _ in range(2):
+    ...     state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> avg = optim.averaged(state, x)     # z: 0.9 then 0.8; x = (0.9 + 0.8) / 2; y = 0.9 x + 0.1 z
+    >>> [round(float(v), 4) for v in x], [round(float(v), 4) for v in avg]
+    ([0.845, 2.155], [0.85, 2.15])
+    """
+
+    lr: Hyper = 0.0025
+    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
+    eps: Hyper = 1e-8
+    weight_decay: Hyper = 0.0
+    warmup_steps: Hyper = 0.0
+    weight_lr_power: Hyper = 2.0
+    _nonneg = ("lr", "eps", "weight_decay", "warmup_steps", "weight_lr_power")
+    _unit = ("beta",)
+
+    @classmethod
+    def _checked(cls, name, v):
+        v = super()._checked(name, v)
+        if name == "beta" and _is_zero(v[0]):
+            raise ValueError(f"{cls.__name__}: beta[0] must be in (0, 1) and finite, got 0.0 "
+                             "(the averaged x is recovered by dividing by it)")
+        return v
+
+    def init(self, x):
+        z = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        a = jnp.asarray([0.0, 0.0, 1.0], _compute(x))
+        return z, _zeros_real(x), jnp.ones((), jnp.int32), a
+
+    def apply(self, state, x, dx, *dxs):
+        z, v, t, a = state
+        b1, b2 = _pair(self.beta, x)
+        lr, warm = as_compute(self.lr, x), as_compute(self.warmup_steps, x)
+        tf = t.astype(lr.dtype)
+
+        def ramp(k):   # optax's warmup_constant_schedule(0, η, W) at count k, as a factor of η
+            return jnp.where(warm > 0, jnp.minimum(k, warm) / jnp.where(warm > 0, warm, 1), 1)
+
+        v = b2 * v + (1 - b2) * _abs2(dx)
+        u = dx / (jnp.sqrt(v / (1 - b2 ** tf)) + _eps(self.eps, x)) + as_compute(self.weight_decay, x) * x
+        z_new = z - (lr * ramp(tf - 1)) * u
+        lr_max = jnp.maximum(a[1], lr * ramp(tf))
+        w = lr_max ** as_compute(self.weight_lr_power, x)
+        total = a[0] + w
+        c = jnp.where(total == 0, 0, w / jnp.where(total == 0, 1, total))
+        x_prev = (x - (1 - a[2]) * z) / a[2]
+        avg = (1 - c) * x_prev + c * z_new
+        y = b1 * avg + (1 - b1) * z_new
+        return (z_new, v, t + 1, jnp.stack([total, lr_max, b1])), x - y
+
+    def average(self, state, x):
+        z, _, _, a = state
+        return ((x - (1 - a[2]) * z) / a[2]).astype(x.dtype)
+
+
+def _is_zero(v) -> bool:
+    """A concrete number equal to 0 (False for schedules and tracers, which are not checked here)."""
+    return is_concrete(v) and not is_schedule(v) and bool(np.all(np.asarray(v, np.float64) == 0))

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optim
@@ -1138,3 +1139,274 @@ def test_clip_global_norm_unchanged_within_bound():
     state = optim.setup(O.chain(O.ClipGlobalNorm(10.0), O.Descent(1.0)), m)
     _, new = optim.update(state, m, {"a": vec(3.0, 4.0)})
     np.testing.assert_array_equal(new["a"], [-3.0, -4.0])
+
+
+# =============================================================================================== 7. Lamb, Lars, SF
+# Lamb, Lars and ScheduleFreeAdamW against optax in float64 (x64 scoped to each test), on a model with a tied 2-D
+# weight and a 1-D leaf: optim sees one parameter `emb` = `head` with the summed gradient, so optax runs on the
+# untied model {"emb", "b"} with the gradient emb + head. Every step is compared, rtol 1e-10.
+
+X64_STEPS = 30
+
+
+def _x64_model():
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((3, 4)))
+    return {"emb": w, "head": w, "b": jnp.asarray(rng.standard_normal(5))}
+
+
+def _x64_grads(n=X64_STEPS, seed=8):
+    rng = np.random.default_rng(seed)
+    return [{"emb": jnp.asarray(rng.standard_normal((3, 4))), "head": jnp.asarray(rng.standard_normal((3, 4))),
+             "b": jnp.asarray(rng.standard_normal(5))} for _ in range(n)]
+
+
+def _optax_step(tx):
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    return step
+
+
+X64_CASES = [
+    ("Lamb()", lambda: O.Lamb(0.01), lambda: optax.lamb(0.01)),
+    ("Lamb(all)", lambda: O.Lamb(0.02, beta=(0.8, 0.99), eps=1e-5, weight_decay=0.1, eps_root=1e-8),
+     lambda: optax.lamb(0.02, b1=0.8, b2=0.99, eps=1e-5, eps_root=1e-8, weight_decay=0.1)),
+    ("Lars()", lambda: O.Lars(0.5), lambda: optax.lars(0.5)),
+    ("Lars(all,nesterov)", lambda: O.Lars(2.0, rho=0.8, weight_decay=0.01, trust_coefficient=0.02, eps=1e-3,
+                                          nesterov=True),
+     lambda: optax.lars(2.0, weight_decay=0.01, trust_coefficient=0.02, eps=1e-3, momentum=0.8, nesterov=True)),
+    ("ScheduleFreeAdamW()", lambda: O.ScheduleFreeAdamW(), lambda: optax.contrib.schedule_free_adamw()),
+    ("ScheduleFreeAdamW(all,warmup)",
+     lambda: O.ScheduleFreeAdamW(0.05, beta=(0.85, 0.99), eps=1e-6, weight_decay=0.1, warmup_steps=5,
+                                 weight_lr_power=1.5),
+     lambda: _sf_adamw_warmup64(0.05, warmup_steps=5, b1=0.85, b2=0.99, eps=1e-6, weight_decay=0.1,
+                                weight_lr_power=1.5)),
+]
+
+
+def _sf_adamw_warmup64(lr, warmup_steps, b1, b2, eps, weight_decay, weight_lr_power):
+    """`optax.contrib.schedule_free_adamw` as optax composes it, with its warmup schedule computed in float64:
+    optax's `warmup_constant_schedule` divides an int32 count and returns float32 even under x64 (a relative
+    error of ~1e-8 in every warmup step; `test_schedule_free_warmup_matches_optax_alias` compares with it)."""
+    def sched(count):
+        return lr * jnp.minimum(count, warmup_steps).astype(jnp.float64) / warmup_steps
+
+    base = optax.chain(optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
+                       optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched))
+    return optax.contrib.schedule_free(base, sched, b1=b1, weight_lr_power=weight_lr_power)
+
+
+@pytest.mark.parametrize("name, make, make_tx", X64_CASES, ids=[c[0] for c in X64_CASES])
+def test_layerwise_and_schedule_free_match_optax_float64(name, make, make_tx):
+    with jax.enable_x64(True):
+        model = _x64_model()
+        start = {"emb": model["emb"], "b": model["b"]}
+        state = optim.setup(make(), model)
+        assert len(state.paths()) == 2                       # emb and head are one parameter
+        tx = make_tx()
+        p = dict(start)
+        s = tx.init(p)
+        step, ostep = jax.jit(optim.update), _optax_step(tx)
+        free = "ScheduleFree" in name
+        for t, g in enumerate(_x64_grads()):
+            state, model = step(state, model, g)
+            p, s = ostep(p, s, {"emb": g["emb"] + g["head"], "b": g["b"]})
+            for k in ("emb", "b"):
+                assert model[k].dtype == jnp.float64
+                msg = f"{name}: step {t + 1}, {k}"
+                close(model[k], p[k], rtol=1e-10, atol=0, err_msg=msg)
+                close(model[k] - start[k], p[k] - start[k], rtol=1e-10, atol=1e-15, err_msg=msg)
+            close(model["head"], model["emb"], rtol=0, atol=0)
+            if free:                                          # the evaluation point x: optax's eval params
+                avg, want = optim.averaged(state, model), optax.contrib.schedule_free_eval_params(s, p)
+                for k in ("emb", "b"):
+                    close(avg[k], want[k], rtol=1e-10, atol=1e-15, err_msg=f"{name}: average, step {t + 1}")
+                assert avg["head"] is avg["emb"]
+    assert jnp.zeros(1).dtype == jnp.float32                 # x64 did not leak
+
+
+STACKED_X64 = [c for c in X64_CASES if "all" in c[0] and "ScheduleFree" not in c[0]]
+
+
+@pytest.mark.parametrize("name, make, make_tx", STACKED_X64, ids=[c[0] for c in STACKED_X64])
+def test_many_small_stacked_parameters_match_optax_per_leaf(name, make, make_tx):
+    """66 same-shape parameters: two stacks (64 + 2) in optim; optax treats each leaf alone (per-leaf norms).
+    (ScheduleFreeAdamW has no reduction over a parameter; its stacking is checked in test_stacking.py.)"""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(11)
+        model = {f"p{i}": jnp.asarray(rng.standard_normal(4) * (i + 1)) for i in range(66)}
+        model["p3"] = jnp.zeros(4)                           # a zero parameter in the middle of a stack
+        state = optim.setup(make(), model)
+        assert len(state.stacks) == 2
+        tx = make_tx()
+        p, s = dict(model), tx.init(model)
+        step, ostep = jax.jit(optim.update), _optax_step(tx)
+        for t in range(6):
+            g = dict(zip(model, jnp.asarray(rng.standard_normal((len(model), 4)))))
+            state, model = step(state, model, g)
+            p, s = ostep(p, s, g)
+            close(np.stack(list(model.values())), np.stack([p[k] for k in model]), rtol=1e-10, atol=1e-15,
+                  err_msg=f"{name}: step {t + 1}")
+
+
+@pytest.mark.parametrize("name, make, make_tx", [c for c in X64_CASES if "()" in c[0] and "Free" not in c[0]],
+                         ids=[c[0] for c in X64_CASES if "()" in c[0] and "Free" not in c[0]])
+def test_trust_ratio_of_zero_parameter_or_zero_update_is_one(name, make, make_tx):
+    """optax's convention: the ratio is 1 where ‖x‖ = 0 (the plain step) or ‖u‖ = 0 (no step, and no NaN)."""
+    with jax.enable_x64(True):
+        model = {"zero": jnp.zeros(3), "still": jnp.array([1.0, -2.0, 0.5]), "both": jnp.zeros(2)}
+        state = optim.setup(make(), model)
+        tx = make_tx()
+        p, s = dict(model), tx.init(model)
+        ostep = _optax_step(tx)
+        for t in range(5):
+            g = {"zero": jnp.array([0.5, -1.0, 2.0]) * (t + 1), "still": jnp.zeros(3), "both": jnp.zeros(2)}
+            state, model = optim.update(state, model, g)
+            p, s = ostep(p, s, g)
+            for k in model:
+                assert np.all(np.isfinite(np.asarray(model[k]))), (name, k)
+                close(model[k], p[k], rtol=1e-10, atol=1e-15, err_msg=f"{name}: step {t + 1}, {k}")
+        np.testing.assert_array_equal(model["still"], [1.0, -2.0, 0.5])
+        np.testing.assert_array_equal(model["both"], [0.0, 0.0])
+        assert not np.allclose(model["zero"], 0)
+
+
+def test_schedule_free_warmup_matches_optax_alias():
+    """Against `schedule_free_adamw(warmup_steps=W)` itself, to the float32 rounding of optax's warmup schedule."""
+    with jax.enable_x64(True):
+        model = {"w": jnp.asarray(np.random.default_rng(3).standard_normal(6))}
+        state = optim.setup(O.ScheduleFreeAdamW(0.05, warmup_steps=4, weight_decay=0.1), model)
+        tx = optax.contrib.schedule_free_adamw(0.05, warmup_steps=4, weight_decay=0.1)
+        p, s = dict(model), tx.init(model)
+        ostep = _optax_step(tx)
+        for g in _x64_grads(10, seed=4):
+            state, model = optim.update(state, model, {"w": g["b"][:1] * jnp.ones(6) + g["emb"].ravel()[:6]})
+            p, s = ostep(p, s, {"w": g["b"][:1] * jnp.ones(6) + g["emb"].ravel()[:6]})
+        close(model["w"], p["w"], rtol=1e-6, atol=0)
+        close(optim.averaged(state, model)["w"], optax.contrib.schedule_free_eval_params(s, p)["w"], rtol=1e-6)
+
+
+def test_lamb_first_step_on_zero_parameter_is_the_plain_step():
+    model = {"z": jnp.zeros(2)}
+    state = optim.setup(O.Lamb(0.1), model)
+    _, model = optim.update(state, model, {"z": vec(0.5, -1.0)})
+    close(model["z"], [-0.1 / (1 + 2e-6), 0.1 / (1 + 1e-6)], rtol=1e-6)      # η m̂ / (√v̂ + ε), ratio 1
+
+
+def test_schedule_free_none_gradient_does_not_advance_that_parameter():
+    rule = O.ScheduleFreeAdamW(0.1, warmup_steps=3, weight_decay=0.1)
+    model = {"a": vec(1.0, -1.0), "b": vec(0.5, 2.0)}
+    gs = [{"a": vec(0.3, -0.2), "b": vec(1.0, 0.5)}, {"a": vec(-0.1, 0.4), "b": vec(-0.5, 0.25)},
+          {"a": vec(0.2, 0.2), "b": vec(0.7, -0.3)}]
+    state, m = optim.setup(rule, model), model
+    state, m = optim.update(state, m, {"a": gs[0]["a"], "b": None})
+    assert m["b"] is model["b"]
+    assert int(state["a"].state[2]) == 2 and int(state["b"].state[2]) == 1       # per-parameter step counts
+    jax.tree.map(np.testing.assert_array_equal, state["b"].state, optim.setup(rule, model)["b"].state)
+    for g in gs[1:]:
+        state, m = optim.update(state, m, g)
+    # b took two steps, from its start, as if the skipped call never happened (warmup counted per parameter)
+    alone, mb = optim.setup(rule, {"b": model["b"]}), {"b": model["b"]}
+    for g in gs[1:]:
+        alone, mb = optim.update(alone, mb, {"b": g["b"]})
+    close(m["b"], mb["b"], rtol=0, atol=0)
+    close(optim.averaged(state, m)["b"], optim.averaged(alone, mb)["b"], rtol=0, atol=0)
+    assert int(state["a"].state[2]) == 4 and int(state["b"].state[2]) == 3
+
+
+@pytest.mark.parametrize("make, changes", [
+    (lambda: O.Lamb(0.01, weight_decay=0.1), [{"lr": 0.001}, {"beta": (0.5, 0.9), "weight_decay": 0.0}]),
+    (lambda: O.Lars(1.0), [{"lr": 0.1}, {"rho": 0.5, "trust_coefficient": 0.01, "eps": 1e-3}]),
+    (lambda: O.ScheduleFreeAdamW(0.01, warmup_steps=2), [{"lr": 0.001},
+                                                         {"beta": (0.5, 0.9), "warmup_steps": 10.0,
+                                                          "weight_lr_power": 1.0, "weight_decay": 0.1}]),
+], ids=["Lamb", "Lars", "ScheduleFreeAdamW"])
+def test_adjust_new_rules_never_retraces(make, changes):
+    traces = []
+
+    @jax.jit
+    def step(state, model, grads):
+        traces.append(1)
+        return optim.update(state, model, grads)
+
+    model = {"w": jnp.ones((2, 3)), "b": vec(0.5, -0.5)}
+    grads = {"w": jnp.full((2, 3), 0.3), "b": vec(1.0, -2.0)}
+    state = optim.setup(make(), model)
+    state, model = step(state, model, grads)
+    for kw in changes:
+        state = optim.adjust(state, **kw)
+        new_state, new = step(state, model, grads)
+        # the adjusted values are used: an unjitted update of the adjusted state agrees
+        _, want = optim.update(state, model, grads)
+        jax.tree.map(lambda a, b: close(a, b, rtol=1e-6), new, want)
+        state, model = new_state, new
+    assert len(traces) == 1
+
+
+def test_schedule_free_adjust_beta1_keeps_the_average():
+    """x is recovered with the β₁ that built y, so changing β₁ moves y but not x."""
+    model = {"w": vec(1.0, 2.0, -1.0)}
+    state = optim.setup(O.ScheduleFreeAdamW(0.1), model)
+    for k in range(3):
+        state, model = optim.update(state, model, {"w": vec(0.5, -1.0, 0.25 * k)})
+    before = optim.averaged(state, model)["w"]
+    state = optim.adjust(state, beta=(0.5, 0.999))
+    close(optim.averaged(state, model)["w"], before, rtol=0, atol=0)
+    state, model = optim.update(state, model, {"w": vec(0.0, 0.0, 0.0)})
+    # a zero gradient: z stays, x moves towards z by c = 1/4, y = 0.5 x + 0.5 z
+    z = state["w"].state[0]
+    x = optim.averaged(state, model)["w"]
+    close(x, 0.75 * before + 0.25 * z, rtol=1e-6, atol=1e-6)
+    close(model["w"], 0.5 * x + 0.5 * z, rtol=1e-6, atol=1e-6)
+
+
+def test_new_rules_defaults_are_optax_defaults():
+    import inspect
+
+    def default(f, name):
+        return inspect.signature(f).parameters[name].default
+
+    lamb, lars, sf = O.Lamb(), O.Lars(), O.ScheduleFreeAdamW()
+    assert lamb.beta == (default(optax.lamb, "b1"), default(optax.lamb, "b2"))
+    assert (lamb.eps, lamb.eps_root, lamb.weight_decay) == tuple(default(optax.lamb, k)
+                                                                  for k in ("eps", "eps_root", "weight_decay"))
+    assert (lars.rho, lars.weight_decay, lars.trust_coefficient, lars.eps, lars.nesterov) == tuple(
+        default(optax.lars, k) for k in ("momentum", "weight_decay", "trust_coefficient", "eps", "nesterov"))
+    f = optax.contrib.schedule_free_adamw
+    assert (sf.lr, sf.beta, sf.eps, sf.weight_decay, sf.weight_lr_power) == (
+        default(f, "learning_rate"), (default(f, "b1"), default(f, "b2")), default(f, "eps"),
+        default(f, "weight_decay"), default(f, "weight_lr_power"))
+    assert default(f, "warmup_steps") is None and sf.warmup_steps == 0.0
+    assert (lamb.lr, lars.lr) == (0.001, 1.0)
+
+
+NEW_BAD = [
+    ("Lamb lr", lambda: O.Lamb(-0.1), ValueError, "Lamb: lr must be >= 0 and finite, got -0.1"),
+    ("Lamb beta", lambda: O.Lamb(beta=(0.9, 1.0)), ValueError, r"Lamb: beta\[1\] must be in \[0, 1\)"),
+    ("Lamb eps_root", lambda: O.Lamb(eps_root=-1e-8), ValueError, "Lamb: eps_root must be >= 0"),
+    ("Lars lr", lambda: O.Lars(lr=-1.0), ValueError, "Lars: lr must be >= 0 and finite, got -1.0"),
+    ("Lars rho", lambda: O.Lars(1.0, rho=1.5), ValueError, r"Lars: rho must be in \[0, 1\]"),
+    ("Lars trust", lambda: O.Lars(trust_coefficient=float("nan")), ValueError, "Lars: trust_coefficient must be"),
+    ("SF lr", lambda: O.ScheduleFreeAdamW(-0.1), ValueError, "ScheduleFreeAdamW: lr must be >= 0 and finite"),
+    ("SF beta1 0", lambda: O.ScheduleFreeAdamW(beta=(0.0, 0.999)), ValueError,
+     r"ScheduleFreeAdamW: beta\[0\] must be in \(0, 1\)"),
+    ("SF warmup", lambda: O.ScheduleFreeAdamW(warmup_steps=-1), ValueError, "ScheduleFreeAdamW: warmup_steps must"),
+    ("SF power", lambda: O.ScheduleFreeAdamW(weight_lr_power="2"), TypeError, "weight_lr_power must be a real"),
+]
+
+
+@pytest.mark.parametrize("name, make, err, match", NEW_BAD, ids=[c[0] for c in NEW_BAD])
+def test_new_rules_bad_hyperparameters_refused(name, make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_new_rules_adjust_checks_and_structural_fields():
+    state = optim.setup(O.ScheduleFreeAdamW(), {"w": vec(1.0)})
+    with pytest.raises(ValueError, match=r"beta\[0\] must be in \(0, 1\)"):
+        optim.adjust(state, beta=(0.0, 0.9))
+    with pytest.raises(ValueError, match="Lars.nesterov is structural"):
+        optim.adjust(optim.setup(O.Lars(), {"w": vec(1.0)}), nesterov=True)
+    assert isinstance(O.Lamb(1).lr, float) and isinstance(O.ScheduleFreeAdamW(warmup_steps=10).warmup_steps, float)

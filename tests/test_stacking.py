@@ -17,13 +17,16 @@ from test_rules import CASES
 O = optim
 
 # Rules that reduce over a parameter (norms, matrix products): summation order may differ once batched.
-REDUCING = ("ClipNorm", "Muon", "Global", "SkipNonFinite")
+REDUCING = ("ClipNorm", "Muon", "Global", "SkipNonFinite", "Lamb", "Lars")
 
 EXTRA = [
     ("AccumGrad(2)+Adam", lambda: O.OptimiserChain(O.AccumGrad(2), O.Adam(0.1))),
     ("ClipGlobalNorm(1)+Adam", lambda: O.OptimiserChain(O.ClipGlobalNorm(1.0), O.Adam(0.1))),
     ("SkipNonFinite(Adam)", lambda: O.SkipNonFinite(O.Adam(0.1))),
     ("Adam+schedule", lambda: O.Adam(O.Linear(0.1, 0.01, 4))),
+    ("Lamb(.1,wd)", lambda: O.Lamb(0.1, weight_decay=0.1)),
+    ("Lars(1,wd,nesterov)", lambda: O.Lars(1.0, weight_decay=0.1, trust_coefficient=0.02, nesterov=True)),
+    ("ScheduleFreeAdamW(.1,wd,warmup)", lambda: O.ScheduleFreeAdamW(0.1, weight_decay=0.1, warmup_steps=2)),
 ]
 RULES = [(c[0], c[1]) for c in CASES] + EXTRA
 
