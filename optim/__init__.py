@@ -17,14 +17,15 @@ from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
 from ._microbatch import microbatch
 from ._rules import (
-    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lion, Momentum, Muon,
-    NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, SignDecay, WeightDecay,
+    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lamb, Lars, Lion,
+    Momentum, Muon, NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, ScheduleFreeAdamW, SignDecay, WeightDecay,
 )
 from ._schedules import (
     WSD, Constant, Cosine, Exponential, InvSqrt, Join, Linear, Piecewise, Polynomial, Schedule, warmup_cosine,
 )
 from ._setup import by_path, setup
 from ._state import Layout, Leaf, PathError, State
+from ._state_dict import load_state_dict, state_dict
 from ._step import Gated, Replace, Rule, apply_all, apply_step
 from ._surgery import donatable, graft, reset, retie, subtree
 from ._update import global_norm, tie_grads, update
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "setup", "by_path", "update", "tie_grads", "save", "load", "from_optax", "to_optax", "with_extra_args",
     "WholeTreeError",
+    "state_dict", "load_state_dict",
     "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
@@ -45,5 +47,6 @@ __all__ = [
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "Scale", "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
+    "ClipNorm", "Scale", "Lamb", "Lars", "ScheduleFreeAdamW", "OptimiserChain", "chain", "AccumGrad",
+    "MixedPrecision",
 ]
