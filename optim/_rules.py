@@ -11,9 +11,23 @@ Gradients reach `apply` already summed over a tie group, cast to the parameter's
 parameters, conjugated: JAX's gradient of a real loss w.r.t. a complex `w` is the conjugate of the steepest
 descent direction, so after conjugation `x - η g` descends, as in Optimisers.jl and PyTorch. Rules compute in
 the parameter's real dtype but at least float32 (`optim._step._compute`); states keep their storage dtype.
+
+Moment dtypes: the Adam family (Adam, AdamW, NAdam, RAdam, AMSGrad, AdaBelief) takes `mu_dtype` and `nu_dtype`,
+Lion and Momentum take `mu_dtype`: the storage dtype of the first moment (or velocity) and of the second
+moment(s), e.g. `Adam(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)` halves a float32 model's optimiser
+state. They are real floating dtypes or None (the default: the parameter's dtype, its real dtype for second
+moments), structural (`_static`: a dtype changes the program, `adjust` refuses it), and checked when the rule is
+built. `apply` reads a stored moment in the wider of its dtype and the compute dtype (so a bfloat16 moment is
+updated in float32, and a float64 run is not truncated), computes the step from the unrounded new moments and
+rounds them to their storage dtype only to store them (as optax's `mu_dtype`); the parameter keeps its dtype.
+A complex parameter's first moment is complex: `mu_dtype` float32 / float64 stores it as complex64 / complex128;
+a 16-bit `mu_dtype` has no complex counterpart and is a `TypeError` at `setup` (its `nu_dtype` applies as is:
+second moments are real).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +42,63 @@ __all__ = [
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
     "ClipNorm", "Muon", "Scale", "Lamb", "Lars", "ScheduleFreeAdamW",
 ]
+
+
+# ----------------------------------------------------------------------------------------------- state dtypes
+_COMPLEX_OF = {jnp.dtype(jnp.float32): jnp.dtype(jnp.complex64), jnp.dtype(jnp.float64): jnp.dtype(jnp.complex128)}
+
+
+def _dtype_arg(owner: str, name: str, v: Any) -> Any:
+    """A `mu_dtype` / `nu_dtype` argument in stored form: None, or a real floating `jnp.dtype`."""
+    if v is None:
+        return None
+    try:   # a dtype, a scalar type (jnp.bfloat16) or a name ("bfloat16"); not an array, whose dtype jnp.dtype reads
+        d = jnp.dtype(v) if isinstance(v, (np.dtype, type, str)) else None
+    except (TypeError, ValueError):
+        d = None
+    if d is None or not jnp.issubdtype(d, jnp.floating):
+        raise TypeError(f"{owner}: {name} must be a real floating dtype (jnp.bfloat16, jnp.float32, ...) or None, "
+                        f"got {v!r}")
+    return d
+
+
+class _StateDtypes:
+    """Mixin of the rules with `mu_dtype` (and `nu_dtype`) fields: checks them at construction."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("mu_dtype", "nu_dtype"):
+            if hasattr(self, name):
+                object.__setattr__(self, name, _dtype_arg(type(self).__name__, name, getattr(self, name)))
+
+
+def _mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
+    """A first moment of `x` filled with `fill`, in `rule.mu_dtype` (default: `x`'s dtype); for a complex `x`,
+    the complex dtype of `mu_dtype`'s precision."""
+    d = rule.mu_dtype
+    if d is not None and jnp.iscomplexobj(x):
+        if d not in _COMPLEX_OF:
+            raise TypeError(f"{type(rule).__name__}: mu_dtype={d.name} cannot hold the first moment of a complex "
+                            f"parameter ({jnp.dtype(x.dtype).name}): there is no complex {d.name}; use float32, "
+                            "float64 or None")
+        d = _COMPLEX_OF[d]
+    return jnp.full_like(x, fill, dtype=d)
+
+
+def _nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
+    """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype)."""
+    return jnp.full(x.shape, fill, _real(x) if rule.nu_dtype is None else rule.nu_dtype)
+
+
+def _load(x: jax.Array, *moments: jax.Array) -> tuple:
+    """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype."""
+    c = _compute(x)
+    return tuple(a.astype(jnp.promote_types(a.dtype, c)) for a in moments)
+
+
+def _store(new: tuple, old: tuple) -> tuple:
+    """New moments rounded to the storage dtypes of the old ones."""
+    return tuple(n.astype(o.dtype) for n, o in zip(new, old))
 
 
 # ----------------------------------------------------------------------------------------------- SGD family
@@ -56,20 +127,23 @@ class Descent(Rule):
         return state, as_compute(self.lr, x) * dx
 
 
-class Momentum(Rule):
+class Momentum(_StateDtypes, Rule):
     """Gradient descent with (heavy-ball) momentum: `v ← ρ v + η g`, `step = v`.
 
     Args:
         lr: learning rate η, default 0.01, >= 0.
         rho: momentum ρ, default 0.9, in [0, 1].
+        mu_dtype: storage dtype of `v`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
 
-    State: `v`, the velocity (the last step), in the parameter's dtype, starting at 0.
+    State: `v`, the velocity (the last step), in `mu_dtype` (default the parameter's dtype), starting at 0.
 
     Reference: B. T. Polyak, "Some methods of speeding up the convergence of iteration methods", USSR
     Computational Mathematics and Mathematical Physics, 1964, https://doi.org/10.1016/0041-5553(64)90137-5
 
     optax: the same steps as `optax.sgd(η, momentum=ρ)` while η is constant; optax keeps `t ← ρt + g` and
     scales by the current η, here `v` accumulates `η g`, so a changed η (adjust, schedule) affects new gradients.
+    optax's `accumulator_dtype` is its trace's storage dtype, as `mu_dtype` here.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -81,15 +155,18 @@ class Momentum(Rule):
 
     lr: Hyper = 0.01
     rho: Hyper = 0.9
+    mu_dtype: Any = None
+    _static = ("mu_dtype",)
     _nonneg = ("lr",)
     _decay = ("rho",)
 
     def init(self, x):
-        return jnp.zeros_like(x)
+        return _mu_zeros(self, x)
 
-    def apply(self, v, x, dx, *dxs):
+    def apply(self, v0, x, dx, *dxs):
+        (v,) = _load(x, v0)
         v = as_compute(self.rho, x) * v + as_compute(self.lr, x) * dx
-        return v, v
+        return v.astype(v0.dtype), v
 
 
 class Nesterov(Rule):
@@ -242,22 +319,27 @@ def _bt_next(bt, beta, x):
     return bt * jnp.stack(_pair(beta, x))
 
 
-class Adam(Rule):
+class Adam(_StateDtypes, Rule):
     """Adam: `m ← β₁ m + (1 - β₁) g`, `v ← β₂ v + (1 - β₂)|g|²`, `step = η m̂ / (√v̂ + ε)`.
 
     Args:
         lr: learning rate η, default 0.001, >= 0.
         beta: decay rates (β₁, β₂) of the moments, default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, bt)`: first moment (parameter dtype), second moment (real dtype), both starting at 0, and
-    the running powers (β₁ᵗ, β₂ᵗ) as one array of 2.
+    State: `(m, v, bt)`: first moment (`mu_dtype`, default the parameter dtype), second moment (`nu_dtype`,
+    default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ) as one array of 2.
 
     Reference: D. P. Kingma, J. Ba, "Adam: A Method for Stochastic Optimization", 2014,
     https://arxiv.org/abs/1412.6980
 
     optax: same as `optax.adam(η, b1, b2, eps)` (to float32 rounding: here `1 - β` is computed from β in the
-    compute dtype, optax rounds the Python number, a relative difference of ~1e-5 in `v`).
+    compute dtype, optax rounds the Python number, a relative difference of ~1e-5 in `v`);
+    `Adam(η, mu_dtype=d)` is `optax.adam(η, mu_dtype=d)`, which also rounds `m` only to store it. optax has no
+    `nu_dtype`: its `v` keeps the parameter's dtype.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -270,20 +352,23 @@ class Adam(Rule):
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
 
     def apply(self, state, x, dx, *dxs):
-        m, v, bt = state
-        m, v = _moments(self.beta, m, v, dx, x)
+        bt = state[2]
+        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
         step = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
-        return (m, v, _bt_next(bt, self.beta, x)), step
+        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
 
 
-class RAdam(Rule):
+class RAdam(_StateDtypes, Rule):
     """Rectified Adam: with `ρ∞ = 2/(1 - β₂) - 1` and `ρ = ρ∞ - 2t bt₂/(1 - bt₂)`, `step = η r m̂ / (√v̂ + ε)`
     when `ρ > 4` (`r = √((ρ-4)(ρ-2)ρ∞ / ((ρ∞-4)(ρ∞-2)ρ))`), else `η m̂` (momentum SGD while the variance of
     the adaptive rate is intractable).
@@ -292,6 +377,9 @@ class RAdam(Rule):
         lr: learning rate η, default 0.001, >= 0.
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `(m, v, bt, t)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the number
     `t` of the next step (int32, starting at 1).
@@ -300,6 +388,7 @@ class RAdam(Rule):
     Learning Rate and Beyond", 2019, https://arxiv.org/abs/1908.03265
 
     optax: equals `optax.radam(η, b1, b2, eps, threshold=4.0)`; optax tests ρ ≥ threshold with a default of 5.
+    `optax.radam` has no `mu_dtype` / `nu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -312,22 +401,25 @@ class RAdam(Rule):
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x), jnp.ones((), jnp.int32)
+        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x), jnp.ones((), jnp.int32)
 
     def apply(self, state, x, dx, *dxs):
-        m, v, bt, t = state
-        m, v = _moments(self.beta, m, v, dx, x)
+        bt, t = state[2:]
+        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
         b2 = as_compute(self.beta[1], x)
         rho_inf = 2 / (1 - b2) - 1
         rho = rho_inf - 2 * t.astype(b2.dtype) * bt[1] / (1 - bt[1])
         r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
         lr, mhat = as_compute(self.lr, x), m / (1 - bt[0])
         step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * lr, mhat * lr)
-        return (m, v, _bt_next(bt, self.beta, x), t + 1), step
+        return (*_store((m, v), state), _bt_next(bt, self.beta, x), t + 1), step
 
 
 class AdaMax(Rule):
@@ -482,7 +574,7 @@ class AdaDelta(Rule):
         return (a, rho * d + (1 - rho) * _abs2(step)), step
 
 
-class AMSGrad(Rule):
+class AMSGrad(_StateDtypes, Rule):
     """AMSGrad (no bias correction): `m`, `v` as in Adam, `v̂ ← max(v̂, v)`, `step = η m / (√v̂ + ε)`;
     `m`, `v`, `v̂` start at ε.
 
@@ -490,15 +582,19 @@ class AMSGrad(Rule):
         lr: learning rate η, default 0.001, >= 0.
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `v` and `v̂`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, v̂)`: first moment (parameter dtype), second moment and its running maximum (real dtype),
-    all starting at ε.
+    State: `(m, v, v̂)`: first moment (`mu_dtype`, default the parameter dtype), second moment and its running
+    maximum (`nu_dtype`, default the real dtype), all starting at ε.
 
     Reference: S. J. Reddi, S. Kale, S. Kumar, "On the Convergence of Adam and Beyond", ICLR 2018,
     https://arxiv.org/abs/1904.09237
 
     optax: equals `optax.amsgrad(η, b1, b2, eps, bias_correction_mu=False, bias_correction_nu=False)` with its
-    moments started at ε; optax starts them at 0 and bias-corrects by default.
+    moments started at ε; optax starts them at 0 and bias-corrects by default. optax's `mu_dtype` is `mu_dtype`
+    here; it has no `nu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -511,21 +607,24 @@ class AMSGrad(Rule):
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
 
     def init(self, x):
         e = as_compute(self.eps, x)
-        return jnp.full(x.shape, e, x.dtype), jnp.full(x.shape, e, _real(x)), jnp.full(x.shape, e, _real(x))
+        return _mu_zeros(self, x, e), _nu_zeros(self, x, e), _nu_zeros(self, x, e)
 
     def apply(self, state, x, dx, *dxs):
-        m, v, vmax = state
+        m, v, vmax = _load(x, *state)
         m, v = _moments(self.beta, m, v, dx, x)
         vmax = jnp.maximum(vmax, v)
-        return (m, v, vmax), as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + _eps(self.eps, x))
+        return _store((m, v, vmax), state), as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + _eps(self.eps, x))
 
 
-class NAdam(Rule):
+class NAdam(_StateDtypes, Rule):
     """Nesterov Adam: `m`, `v` as in Adam, then
     `step = η (β₁ m / (1 - β₁ bt₁) + (1 - β₁) g / (1 - bt₁)) / (√(β₂ v / (1 - bt₂)) + ε)`.
 
@@ -533,6 +632,9 @@ class NAdam(Rule):
         lr: learning rate η, default 0.001, >= 0.
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
@@ -540,7 +642,7 @@ class NAdam(Rule):
     https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ
 
     optax: `optax.nadam` omits Dozat's β₂ inside the root; `NAdam(η, β, ε)` equals
-    `optax.nadam(η / √β₂, β₁, β₂, eps=ε / √β₂)`.
+    `optax.nadam(η / √β₂, β₁, β₂, eps=ε / √β₂)`; optax's `mu_dtype` is `mu_dtype` here, it has no `nu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -553,22 +655,25 @@ class NAdam(Rule):
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
 
     def apply(self, state, x, dx, *dxs):
-        m, v, bt = state
+        bt = state[2]
         b1, b2 = _pair(self.beta, x)
-        m, v = _moments(self.beta, m, v, dx, x)
+        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
         num = b1 * m / (1 - b1 * bt[0]) + (1 - b1) * dx / (1 - bt[0])
         step = num / (jnp.sqrt(v * b2 / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
-        return (m, v, _bt_next(bt, self.beta, x)), step
+        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
 
 
-class AdamW(Rule):
+class AdamW(_StateDtypes, Rule):
     """Adam with decoupled weight decay. With `A` the Adam step at η = 1:
     `step = η (A + λ x)` (`couple=True`, PyTorch's convention) or `η A + λ x` (`couple=False`). λ defaults to 0.
 
@@ -578,13 +683,17 @@ class AdamW(Rule):
         weight_decay: λ, default 0.0, >= 0.
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         couple: whether the decay is scaled by η, default True (structural).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: I. Loshchilov, F. Hutter, "Decoupled Weight Decay Regularization", 2017,
     https://arxiv.org/abs/1711.05101
 
-    optax: `couple=True` equals `optax.adamw(η, b1, b2, eps, weight_decay=λ)` (optax's default λ is 1e-4).
+    optax: `couple=True` equals `optax.adamw(η, b1, b2, eps, weight_decay=λ)` (optax's default λ is 1e-4);
+    optax's `mu_dtype` is `mu_dtype` here, it has no `nu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -599,24 +708,26 @@ class AdamW(Rule):
     weight_decay: Hyper = 0.0
     eps: Hyper = 1e-8
     couple: bool = True
-    _static = ("couple",)
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("couple", "mu_dtype", "nu_dtype")
     _nonneg = ("lr", "weight_decay", "eps")
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
 
     def apply(self, state, x, dx, *dxs):
-        m, v, bt = state
-        m, v = _moments(self.beta, m, v, dx, x)
+        bt = state[2]
+        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
         # Optimisers.jl: the inner Adam uses the raw ε, floored like every other rule for 16-bit floats here.
         a = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x))
         lr, wd = as_compute(self.lr, x), as_compute(self.weight_decay, x)
         step = lr * (a + wd * x) if self.couple else lr * a + wd * x
-        return (m, v, _bt_next(bt, self.beta, x)), step
+        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
 
 
-class AdaBelief(Rule):
+class AdaBelief(_StateDtypes, Rule):
     """AdaBelief: `m ← β₁ m + (1 - β₁) g`, `s ← β₂ s + (1 - β₂)|g - m|² + ε`,
     `step = η m̂ / (√(s / (1 - bt₂)) + ε)`.
 
@@ -624,14 +735,17 @@ class AdaBelief(Rule):
         lr: learning rate η, default 0.001, >= 0.
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-16, >= 0 (at least 1e-7 for 16-bit parameters).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+        nu_dtype: storage dtype of `s`, default None (the parameter's real dtype); structural.
 
-    State: `(m, s, bt)`: first moment (parameter dtype), the "belief" second moment of `g - m` (real dtype), both
-    starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
+    State: `(m, s, bt)`: first moment (`mu_dtype`, default the parameter dtype), the "belief" second moment of
+    `g - m` (`nu_dtype`, default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
 
     Reference: J. Zhuang, T. Tang, Y. Ding, S. Tatikonda, N. Dvornek, X. Papademetris, J. Duncan, "AdaBelief
     Optimizer: Adapting Stepsizes by the Belief in Observed Gradients", 2020, https://arxiv.org/abs/2010.07468
 
-    optax: equals `optax.adabelief(η, b1, b2, eps=ε, eps_root=ε)`.
+    optax: equals `optax.adabelief(η, b1, b2, eps=ε, eps_root=ε)`; `optax.adabelief` has no `mu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -644,23 +758,26 @@ class AdaBelief(Rule):
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-16
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
 
     def apply(self, state, x, dx, *dxs):
-        m, s, bt = state
+        (m, s), bt = _load(x, *state[:2]), state[2]
         b1, b2 = _pair(self.beta, x)
         eps = _eps(self.eps, x)
         m = b1 * m + (1 - b1) * dx
         s = b2 * s + (1 - b2) * _abs2(dx - m) + eps
         step = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(s / (1 - bt[1])) + eps)
-        return (m, s, _bt_next(bt, self.beta, x)), step
+        return (*_store((m, s), state), _bt_next(bt, self.beta, x)), step
 
 
-class Lion(Rule):
+class Lion(_StateDtypes, Rule):
     """Lion (Chen et al. 2023, the paper's form): `step = η sign(β₁ m + (1 - β₁) g)` with the previous `m`,
     then `m ← β₂ m + (1 - β₂) g`. Optimisers.jl swaps the two EMA weights; this does not.
 
@@ -668,13 +785,16 @@ class Lion(Rule):
         lr: learning rate η, default 1e-4, >= 0.
         beta: (β₁, β₂): the interpolation for the step and the momentum's decay, default (0.9, 0.99), each in
             [0, 1).
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
+            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
 
-    State: `m`, the momentum (parameter dtype), starting at 0.
+    State: `m`, the momentum (`mu_dtype`, default the parameter dtype), starting at 0.
 
     Reference: X. Chen, C. Liang, D. Huang, E. Real, K. Wang, Y. Liu, H. Pham, X. Dong, T. Luong, C.-J. Hsieh,
     Y. Lu, Q. V. Le, "Symbolic Discovery of Optimization Algorithms", 2023, https://arxiv.org/abs/2302.06675
 
-    optax: equals `optax.lion(η, b1, b2, weight_decay=0.0)` (optax's default weight decay is 1e-3).
+    optax: equals `optax.lion(η, b1, b2, weight_decay=0.0)` (optax's default weight decay is 1e-3), also with
+    `mu_dtype`.
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -686,16 +806,19 @@ class Lion(Rule):
 
     lr: Hyper = 1e-4
     beta: tuple[Hyper, Hyper] = (0.9, 0.99)
+    mu_dtype: Any = None
+    _static = ("mu_dtype",)
     _nonneg = ("lr",)
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x)
+        return _mu_zeros(self, x)
 
-    def apply(self, m, x, dx, *dxs):
+    def apply(self, m0, x, dx, *dxs):
+        (m,) = _load(x, m0)
         b1, b2 = _pair(self.beta, x)
         step = as_compute(self.lr, x) * jnp.sign(b1 * m + (1 - b1) * dx)
-        return b2 * m + (1 - b2) * dx, step
+        return (b2 * m + (1 - b2) * dx).astype(m0.dtype), step
 
 
 # ----------------------------------------------------------------------------------------------- gradient transforms

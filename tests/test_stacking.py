@@ -27,6 +27,8 @@ EXTRA = [
     ("Lamb(.1,wd)", lambda: O.Lamb(0.1, weight_decay=0.1)),
     ("Lars(1,wd,nesterov)", lambda: O.Lars(1.0, weight_decay=0.1, trust_coefficient=0.02, nesterov=True)),
     ("ScheduleFreeAdamW(.1,wd,warmup)", lambda: O.ScheduleFreeAdamW(0.1, weight_decay=0.1, warmup_steps=2)),
+    ("Adam(bf16 m,v)", lambda: O.Adam(0.1, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
+    ("Lion(bf16 m)", lambda: O.Lion(0.1, mu_dtype=jnp.bfloat16)),
 ]
 RULES = [(c[0], c[1]) for c in CASES] + EXTRA
 
