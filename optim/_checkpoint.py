@@ -511,7 +511,7 @@ class _Plan:
         """like='s rule for a parameter must have the structure of the saved rule `k`: it is the class that rule
         is rebuilt with."""
         saved = self.meta["rules"][k]
-        if _signature(jax.tree.structure(like_rule)) != saved["structure"]:
+        if not _same_rule_structure(saved["structure"], like_rule):
             raise _Mismatch(f"the rule of {where} differs: the checkpoint has {saved['repr']}, like= has "
                             f"{_rule_repr(like_rule)}")
         self.like_rule_of.setdefault(k, like_rule)
@@ -534,7 +534,7 @@ class _Plan:
             template = self.like_rule_of.get(k)
             if template is None:
                 template = self.like.rules[k] if k < len(self.like.rules) else None
-                if template is None or _signature(jax.tree.structure(template)) != saved["structure"]:
+                if template is None or not _same_rule_structure(saved["structure"], template):
                     raise _Mismatch(f"the checkpoint's rule {saved['repr']} has no counterpart in like=")
             leaves, treedef = jax.tree_util.tree_flatten(template)
             if len(leaves) != len(saved["leaves"]):
@@ -847,6 +847,21 @@ def _walk(treedef) -> list[str]:
 
     walk(treedef)
     return out
+
+
+def _same_rule_structure(saved: list[str], rule: Any) -> bool:
+    """Whether a saved rule's signature is `rule`'s. A structural field added to a rule class later, with
+    default None (`Adam.mu_dtype`), is absent from the files written before it: trailing None entries of a
+    node's static data compare as absent, so those files still load."""
+    like = _signature(jax.tree.structure(rule))
+    return saved == like or [_no_trailing_none(a) for a in saved] == [_no_trailing_none(b) for b in like]
+
+
+def _no_trailing_none(node: str) -> str:
+    """`'Adam[(True, None, None)]'` -> `'Adam[(True)]'`, `'Adam[(True,)]'` -> `'Adam[(True)]'`,
+    `'Momentum[(None,)]'` -> `'Momentum[()]'`."""
+    node = re.sub(r"(,\s*None)*,?\)\]$", ")]", node)
+    return re.sub(r"\[\(None\)\]$", "[()]", node)
 
 
 def _rule_repr(rule: Any) -> str:
