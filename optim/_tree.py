@@ -153,7 +153,9 @@ def fmt_value(v: Any) -> str:
 def struct_repr(obj: Any) -> str:
     import dataclasses
 
-    args = ", ".join(f"{f.name}={fmt_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
+    # An option left at its default None (`mu_dtype`) is not shown: reprs stay as short as the call that made them.
+    args = ", ".join(f"{f.name}={fmt_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+                     if not (f.default is None and getattr(obj, f.name) is None))
     return f"{type(obj).__name__}({args})"
 
 
