@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optim
-from conftest import arr, close
+from conftest import arr, close, counted_update
 
 
 def hyper(x):
@@ -296,12 +296,7 @@ def test_adjust_by_path_matches_optax_multi_transform():
 def test_adjust_by_path_keeps_every_parameter_state_and_recompiles_once():
     """The first adjust that singles out part of a rule's parameters compiles once; then adjusting those, the
     others or everything is data only (no trace). States survive the restacking exactly."""
-    traces = []
-
-    @jax.jit
-    def step(state, model, grads):
-        traces.append(1)
-        return optim.update(state, model, grads)
+    step, traces = counted_update()
 
     model = _enc_dec()
     state = optim.setup(optim.Adam(0.1), model)
@@ -320,12 +315,7 @@ def test_adjust_by_path_keeps_every_parameter_state_and_recompiles_once():
 
 
 def test_adjust_by_path_of_a_whole_rule_never_recompiles():
-    traces = []
-
-    @jax.jit
-    def step(state, model, grads):
-        traces.append(1)
-        return optim.update(state, model, grads)
+    step, traces = counted_update()
 
     model = _enc_dec()
     state = optim.setup(optim.by_path({"enc": optim.Adam(0.1), "dec": optim.Momentum(0.1)}), model)

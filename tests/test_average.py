@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import optim
-from conftest import close
+from conftest import close, counted_update
 
 
 def _grads(k, model):
@@ -138,12 +138,7 @@ def test_stacked_parameters_and_a_rule_per_path():
 
 
 def test_decay_adjusts_without_retrace_and_may_be_a_schedule():
-    traces = []
-
-    @jax.jit
-    def step(state, model, grads):
-        traces.append(1)
-        return optim.update(state, model, grads)
+    step, traces = counted_update()
 
     model = {"w": jnp.zeros(2)}
     g = {"w": jnp.ones(2)}

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import optim
-from conftest import close
+from conftest import close, counted_update
 
 
 def test_clip_global_norm_exact():
@@ -189,12 +189,7 @@ def test_skip_large_updates_warmup_and_no_spread():
 
 
 def test_skip_large_updates_adjust_without_retrace():
-    traces = []
-
-    @jax.jit
-    def step(state, model, grads):
-        traces.append(1)
-        return optim.update(state, model, grads)
+    step, traces = counted_update()
 
     m = {"a": jnp.zeros(2)}
     s = optim.setup(optim.SkipLargeUpdates(optim.Descent(1.0), sigma=3.0, warmup=4), m)

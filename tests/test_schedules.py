@@ -50,22 +50,25 @@ def test_schedule_in_a_rule_steps_with_the_counter_and_never_recompiles():
     np.testing.assert_allclose(m["x"], [-2.5 - 2.0 * (1 - 5 / 8)])
 
 
-def test_adamw_with_schedule_matches_optax_over_20_steps():
-    sched_o = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20, 1e-4)
-    sched = optim.warmup_cosine(1e-2, 5, 20, final=1e-4)
-    key = jax.random.PRNGKey(0)
-    params = {"w": jax.random.normal(key, (4, 3)), "b": jnp.zeros(3)}
+def _adamw_matches_optax(sched, sched_o, seed, steps):
+    """AdamW with `sched` as its lr against `optax.adamw` with `sched_o`, on a small model, step by step."""
+    params = {"w": jax.random.normal(jax.random.PRNGKey(seed), (4, 3)), "b": jnp.zeros(3)}
     loss = lambda p: jnp.sum(jnp.tanh(p["w"] @ p["b"] + 1.0) ** 2) + jnp.sum(p["w"] ** 2)
     tx = optax.adamw(sched_o, weight_decay=0.1)
     po, so = params, tx.init(params)
     state, pm = optim.setup(optim.AdamW(sched, weight_decay=0.1), params), params
     step = jax.jit(lambda s, p: optim.update(s, p, jax.grad(loss)(p)))
-    for _ in range(20):
+    for _ in range(steps):
         u, so = tx.update(jax.grad(loss)(po), so, po)
         po = optax.apply_updates(po, u)
         state, pm = step(state, pm)
     for k in params:
         np.testing.assert_allclose(pm[k], po[k], rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_with_schedule_matches_optax_over_20_steps():
+    _adamw_matches_optax(optim.warmup_cosine(1e-2, 5, 20, final=1e-4),
+                         optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20, 1e-4), seed=0, steps=20)
 
 
 def test_schedule_validation():
@@ -384,16 +387,4 @@ def test_adamw_with_wsd_matches_optax_over_30_steps():
                                     optax.cosine_decay_schedule(peak, decay, alpha=final / peak)],
                                    [warmup, warmup + stable])
     sched = optim.WSD(peak, warmup, stable, decay, final=final, shape="cosine")
-    key = jax.random.PRNGKey(1)
-    params = {"w": jax.random.normal(key, (4, 3)), "b": jnp.zeros(3)}
-    loss = lambda p: jnp.sum(jnp.tanh(p["w"] @ p["b"] + 1.0) ** 2) + jnp.sum(p["w"] ** 2)
-    tx = optax.adamw(sched_o, weight_decay=0.1)
-    po, so = params, tx.init(params)
-    state, pm = optim.setup(optim.AdamW(sched, weight_decay=0.1), params), params
-    step = jax.jit(lambda s, p: optim.update(s, p, jax.grad(loss)(p)))
-    for _ in range(30):
-        u, so = tx.update(jax.grad(loss)(po), so, po)
-        po = optax.apply_updates(po, u)
-        state, pm = step(state, pm)
-    for k in params:
-        np.testing.assert_allclose(pm[k], po[k], rtol=1e-5, atol=1e-6)
+    _adamw_matches_optax(sched, sched_o, seed=1, steps=30)
