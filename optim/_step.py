@@ -115,6 +115,7 @@ class Rule:
     _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
     _signed: ClassVar[tuple[str, ...]] = ()   # finite, any sign (Scale.f)
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
+    _steps: ClassVar[tuple[str, ...]] = ()    # numbers of steps: integers >= 0, kept integers (a warmup)
     _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
 
     def __init_subclass__(cls, **kwargs):
@@ -132,8 +133,8 @@ class Rule:
     def _checked(cls, name: str, v: Any) -> Any:
         """`v` checked and in stored form for the field `name` (used by the constructor and by `adjust`)."""
         owner = cls.__name__
-        if name in cls._counts:
-            return _hyper.count(owner, name, v)
+        if name in cls._counts or name in cls._steps:
+            return _hyper.count(owner, name, v, minimum=0 if name in cls._steps else 1)
         check = ("unit" if name in cls._unit else "closed_unit" if name in cls._decay
                  else "nonneg" if name in cls._nonneg else "any" if name in cls._signed else None)
         if check is None:   # a field this class does not declare (a user rule's): only make integers floating

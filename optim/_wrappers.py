@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _hyper
 from ._schedules import Hyper
 from ._step import (Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute,
                     average_of, clip_factor)
@@ -366,7 +365,7 @@ class SkipLargeUpdates(Rule):
     norm_decay: Hyper = 0.99
     _nonneg = ("sigma",)
     _unit = ("norm_decay",)
-    _counts = ("warmup",)
+    _steps = ("warmup",)
 
     def __init__(self, rule: Any, sigma: Hyper = 6.0, warmup: int | jax.Array = 100, norm_decay: Hyper = 0.99):
         if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))):
@@ -374,12 +373,6 @@ class SkipLargeUpdates(Rule):
         for name, v in (("rule", rule), ("sigma", sigma), ("warmup", warmup), ("norm_decay", norm_decay)):
             object.__setattr__(self, name, v)
         self.__post_init__()
-
-    @classmethod
-    def _checked(cls, name: str, v: Any) -> Any:
-        if name == "warmup":   # a count that may be 0 (`Rule` counts start at 1)
-            return _hyper.count(cls.__name__, name, v, minimum=0)
-        return super()._checked(name, v)
 
     def init(self, x):
         stats = {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros((), jnp.float32),
