@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import collections
+import functools
 from typing import Any
 
 import jax
@@ -116,20 +116,11 @@ def averaged(state: State, model: PyTree) -> PyTree:
     return treedef.unflatten(out)
 
 
-_AVERAGERS: collections.OrderedDict = collections.OrderedDict()   # least recently used first
-_MAX_AVERAGERS = 32
-
-
+@functools.lru_cache(maxsize=32)
 def _averager(lay: Layout) -> Any:
-    """The jitted computation of every parameter's average for this layout (cached, least recently used out)."""
-    f = _AVERAGERS.get(lay)
-    if f is None:
-        f = _AVERAGERS[lay] = jax.jit(lambda rules, stacks, xs: _averages(lay, rules, stacks, xs))
-        while len(_AVERAGERS) > _MAX_AVERAGERS:
-            _AVERAGERS.popitem(last=False)
-    else:
-        _AVERAGERS.move_to_end(lay)
-    return f
+    """The jitted computation of every parameter's average for this layout (cached; evicting one frees its
+    compiled program)."""
+    return jax.jit(lambda rules, stacks, xs: _averages(lay, rules, stacks, xs))
 
 
 def _averages(lay: Layout, rules: tuple, stacks: tuple, xs: tuple) -> tuple:

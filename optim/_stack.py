@@ -182,10 +182,12 @@ def reads_nothing(fn: Callable, x: jax.Array) -> bool:
 
 
 def row_index(rows: tuple[int, ...]) -> Any:
-    """An index for the given rows of a stack: a slice when they are contiguous (no gather), else an array."""
+    """An index for the given rows of a stack: a slice when they are contiguous (no gather), else a numpy array
+    (which indexes host and device stacks alike)."""
+    rows = tuple(rows)
     if rows == tuple(range(rows[0], rows[-1] + 1)):
         return slice(rows[0], rows[-1] + 1)
-    return jnp.asarray(rows, jnp.int32)
+    return np.asarray(rows, np.int32)
 
 
 def take_rows(tree: Any, rows: tuple[int, ...], n: int) -> Any:

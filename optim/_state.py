@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._stack import stack_states, make_stacks
+from ._stack import make_stacks, row_index, stack_states
 from ._tree import describe, flatten, match_positions, show, suggest, unique_index
 
 
@@ -334,8 +334,7 @@ def _gather(arrays: tuple, rows: list, ndim: int) -> Any:
     host = all(isinstance(a, np.ndarray) for a in arrays)
     parts = []
     for a, r in zip(arrays, rows):
-        ix = slice(r[0], r[-1] + 1) if r == list(range(r[0], r[-1] + 1)) else np.asarray(r)
-        parts.append(a[(slice(None),) * axis + (ix,)])
+        parts.append(a[(slice(None),) * axis + (row_index(r),)])
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts, axis) if host else jnp.concatenate([jnp.asarray(p) for p in parts], axis)
