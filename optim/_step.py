@@ -28,7 +28,8 @@ import numpy as np
 from . import _hyper
 from ._tree import register_struct, struct_repr
 
-__all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of"]
+__all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of",
+           "sum_squares"]
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -184,6 +185,12 @@ def _eps(eps: Any, x: jax.Array) -> jax.Array:
 def _abs2(g: jax.Array) -> jax.Array:
     """`|g|²`, real also for complex `g`."""
     return jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
+
+
+def sum_squares(a: jax.Array, axis: Any = None) -> jax.Array:
+    """`Σ|a|²` over `axis` (every axis by default), accumulated in float32 or wider (each square in `a`'s dtype):
+    what the norms of `ClipGlobalNorm` and `update(..., return_stats=True)` add up."""
+    return jnp.sum(_abs2(a).astype(jnp.promote_types(_real(a), jnp.float32)), axis=axis)
 
 
 def _zeros_real(x: jax.Array) -> jax.Array:

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ._schedules import Hyper
-from ._step import (Gated, Replace, Rule, _abs2, _real, _where, apply_all, apply_one, apply_step, as_compute,
-                    average_of, clip_factor)
+from ._step import (Gated, Replace, Rule, _real, _where, apply_all, apply_one, apply_step, as_compute,
+                    average_of, clip_factor, sum_squares)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "SkipLargeUpdates", "joint_norm"]
@@ -217,8 +217,7 @@ def joint_norm(dxs: list) -> jax.Array:
     >>> joint_norm([jnp.array([3.0]), jnp.array([4.0])])
     Array(5., dtype=float32)
     """
-    total = sum((jnp.sum(_abs2(d).astype(jnp.promote_types(_real(d), jnp.float32))) for d in dxs),
-                jnp.zeros((), jnp.float32))
+    total = sum((sum_squares(d) for d in dxs), jnp.zeros((), jnp.float32))
     return jnp.sqrt(total)
 
 
