@@ -16,10 +16,12 @@ from ._checkpoint import load, save
 from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
 from ._destructure import destructure, trainables
 from ._microbatch import microbatch
+from ._layerwise import Lamb, Lars, Muon
 from ._rules import (
-    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lamb, Lars, Lion,
-    Momentum, Muon, NAdam, Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, ScheduleFreeAdamW, SignDecay, WeightDecay,
+    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lion, Momentum, NAdam,
+    Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, SignDecay, WeightDecay,
 )
+from ._schedule_free import ScheduleFreeAdamW
 from ._schedules import (
     WSD, Constant, Cosine, Exponential, InvSqrt, Join, Linear, Piecewise, Polynomial, Schedule, warmup_cosine,
 )
