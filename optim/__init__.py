@@ -10,6 +10,7 @@
 (Array([0.8, 1.8], dtype=float32), True)
 """
 
+from ._adafactor import Adafactor
 from ._adjust import adjust, freeze, thaw
 from ._average import EMA, averaged
 from ._checkpoint import load, save
@@ -49,6 +50,6 @@ __all__ = [
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "Scale", "Lamb", "Lars", "ScheduleFreeAdamW", "OptimiserChain", "chain", "AccumGrad",
+    "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "OptimiserChain", "chain", "AccumGrad",
     "MixedPrecision",
 ]

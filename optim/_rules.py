@@ -1,8 +1,8 @@
 """Per-leaf rules: pure `init(x) -> state` and `apply(state, x, dx, *dxs) -> (state, step)` over one parameter.
 
 The new parameter is `x - step` (the protocol is in `optim._step`). Formulas and defaults follow Optimisers.jl
-v0.4 (Lion follows its paper). Muon, Lamb and Lars are in `optim._layerwise`, ScheduleFreeAdamW in
-`optim._schedule_free` (they follow optax).
+v0.4 (Lion follows its paper). Muon, Lamb and Lars are in `optim._layerwise`, Adafactor in `optim._adafactor`,
+ScheduleFreeAdamW in `optim._schedule_free` (they follow optax).
 Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
 step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`), `m̂ = m / (1 - bt₁)` and
 `v̂ = v / (1 - bt₂)`. Hyperparameters are numbers, arrays or schedules (`Hyper`);

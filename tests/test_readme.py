@@ -80,6 +80,22 @@ def test_recipe_no_decay_on_biases_and_scales():
         np.testing.assert_array_equal(b, 1.0)
 
 
+def test_recipe_muon_for_matrices(capsys):
+    scope: dict = {}
+    exec(_block("hidden matrices: Muon"), scope)
+    state, same, model = scope["state"], scope["same"], scope["model"]
+    want = {"blocks.0.b": "AdamW", "blocks.0.w": "Muon", "blocks.1.b": "AdamW", "blocks.1.w": "Muon", "embed": "AdamW"}
+    assert {p: type(leaf.rule).__name__ for p, leaf in state.items()} == want
+    assert {p: type(leaf.rule).__name__ for p, leaf in same.items()} == want
+    assert state.ties() == {"embed": ("head",)}
+    np.testing.assert_array_equal(model["embed"], model["head"])       # still one parameter's value
+    assert int(state["blocks.0.w"].state["count"]) == 50
+    out = capsys.readouterr().out
+    assert "'blocks.0.w': 'Muon'" in out
+    before, after = (float(v) for v in out.strip().splitlines()[-1].split(" -> "))
+    np.testing.assert_allclose([before, after], [4.157, 3.085], atol=2e-3)   # what the README prints
+
+
 def test_recipe_mup_learning_rates():
     import jax
     import jax.numpy as jnp

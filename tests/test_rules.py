@@ -1008,13 +1008,105 @@ def test_muon_step_is_nearly_orthogonal():
     m = {"w": jnp.zeros((8, 5))}
     state = optim.setup(optim.Muon(1.0, nesterov=False), m)
     _, out = optim.update(state, m, {"w": g})
-    step = -np.asarray(out["w"]) / np.sqrt(8 / 5)
+    step = -np.asarray(out["w"])        # fan_in 8 > fan_out 5: the width scale is 1
     sv = np.linalg.svd(step, compute_uv=False)
     assert sv.min() > 0.5 and sv.max() < 1.3       # quintic Newton-Schulz: singular values near 1
     u, _, vt = np.linalg.svd(np.asarray(g), full_matrices=False)
     assert np.sum(step * (u @ vt)) > 0.8 * np.sum((u @ vt) ** 2)   # points along the polar factor of g
-    with pytest.raises(TypeError, match="at 'b': Muon needs a 2-D parameter"):
+    with pytest.raises(TypeError, match="at 'b': Muon needs a parameter with at least 2 axes"):
         optim.setup(optim.Muon(), {"b": jnp.ones(3)})
+
+
+MUON_CASES = [
+    ("defaults", {}, {}, {"w": (6, 4), "v": (3, 9)}),
+    ("no nesterov,rho .8,wd", dict(rho=0.8, weight_decay=0.1, nesterov=False),
+     dict(beta=0.8, weight_decay=0.1, nesterov=False), {"w": (6, 4), "v": (3, 9)}),
+    ("consistent rms,adaptive,3 steps", dict(consistent_rms=0.2, adaptive=True, steps=3, eps=1e-6),
+     dict(consistent_rms=0.2, adaptive=True, ns_steps=3, eps=1e-6), {"w": (6, 4), "v": (3, 9)}),
+    ("3-D reshaped (shape[0], -1)", {}, dict(muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(
+        0, (1, 2))), {"c": (4, 3, 5)}),
+    ("conv kernel axes", dict(reduction_axis=(0, 1, 2), output_axis=-1),
+     dict(muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)), {"k": (2, 2, 3, 5)}),
+    ("batch axis", dict(reduction_axis=1, output_axis=2),
+     dict(muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 2)), {"b": (3, 4, 6)}),
+]
+
+
+@pytest.mark.parametrize("name, kw, optax_kw, shapes", MUON_CASES, ids=[c[0] for c in MUON_CASES])
+def test_muon_matches_optax_contrib_muon_float64(name, kw, optax_kw, shapes):
+    """30 steps against `optax.contrib.muon` in float64, rtol 1e-10; the first matrix is tied (optax gets the
+    summed gradient of the untied model)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        model = {k: jnp.asarray(rng.standard_normal(s)) for k, s in shapes.items()}
+        tied = next(iter(shapes))
+        model["tied"] = model[tied]
+        state = optim.setup(O.Muon(0.05, **kw), model)
+        assert len(state.paths()) == len(shapes)
+        tx = optax.contrib.muon(0.05, **optax_kw)
+        p = {k: model[k] for k in shapes}
+        s = tx.init(p)
+        step, ostep = jax.jit(optim.update), _optax_step(tx)
+        for t in range(X64_STEPS):
+            g = {k: jnp.asarray(rng.standard_normal(model[k].shape)) for k in model}
+            state, model = step(state, model, g)
+            p, s = ostep(p, s, {**{k: g[k] for k in shapes}, tied: g[tied] + g["tied"]})
+            for k in shapes:
+                close(model[k], p[k], rtol=1e-10, atol=1e-14, err_msg=f"{name}: step {t + 1}, {k}")
+            close(model["tied"], model[tied], rtol=0, atol=0)
+
+
+def test_muon_bfloat16_momentum_matches_optax_mu_dtype():
+    """Both form the new momentum in float32 from the stored bfloat16 one and round it only to store it, when
+    optax's `beta` is a float32 array (a Python float rounds `β m` to bfloat16 first: see
+    `test_adam_mu_dtype_matches_optax`). The stored momenta are then bitwise equal."""
+    rng = np.random.default_rng(4)
+    model = {"w": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}
+    state = optim.setup(O.Muon(0.05, mu_dtype=jnp.bfloat16), model)
+    assert state["w"].state["mu"].dtype == jnp.bfloat16
+    tx = optax.contrib.muon(0.05, beta=jnp.float32(0.95), mu_dtype=jnp.bfloat16)
+    p, s = dict(model), tx.init(model)
+    ostep = _optax_step(tx)
+    for t in range(10):
+        g = {"w": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}
+        state, model = optim.update(state, model, g)
+        p, s = ostep(p, s, g)
+        close(model["w"], p["w"], rtol=1e-5, atol=1e-6, err_msg=f"step {t + 1}")
+    close(state["w"].state["mu"].astype(jnp.float32), s.inner_states["muon"].inner_state[0].mu["w"]
+          .astype(jnp.float32), rtol=0, atol=0)
+
+
+def test_muon_defaults_are_optax_defaults():
+    import inspect
+
+    sig = inspect.signature(optax.contrib.muon).parameters
+    r = O.Muon()
+    assert (r.rho, r.eps, r.weight_decay, r.nesterov, r.adaptive, r.steps, r.consistent_rms) == tuple(
+        sig[k].default for k in ("beta", "eps", "weight_decay", "nesterov", "adaptive", "ns_steps", "consistent_rms"))
+    assert (r.reduction_axis, r.output_axis) == ((0,), None)
+
+
+MUON_BAD_AXES = [
+    ({"b": jnp.ones(3)}, {}, "at 'b': Muon needs a parameter with at least 2 axes"),
+    ({"w": jnp.ones((2, 3))}, {"reduction_axis": 2}, r"at 'w': Muon: reduction_axis=\(2,\) is out of range"),
+    ({"w": jnp.ones((2, 3, 4))}, {"reduction_axis": 0, "output_axis": (0, 1)},
+     r"at 'w': Muon: reduction axes \(0,\) and output axes \(0, 1\) must be non-empty, distinct and disjoint"),
+    ({"w": jnp.ones((2, 3))}, {"reduction_axis": (0, 1)}, r"output axes \(\) must be non-empty"),
+]
+
+
+@pytest.mark.parametrize("model, kw, match", MUON_BAD_AXES)
+def test_muon_shape_errors_name_the_path_at_setup(model, kw, match):
+    with pytest.raises(TypeError, match=match):
+        optim.setup(O.Muon(**kw), model)
+
+
+def test_muon_axis_arguments_are_checked_at_construction():
+    with pytest.raises(TypeError, match="Muon: reduction_axis must be an int or a tuple of ints"):
+        O.Muon(reduction_axis="0")
+    assert O.Muon(reduction_axis=[0, 1], output_axis=2).reduction_axis == (0, 1)
+    with pytest.raises(ValueError, match=r"Muon.consistent_rms: between None and a number is structural"):
+        optim.adjust(optim.setup(O.Muon(), {"w": jnp.ones((2, 2))}), consistent_rms=0.2)
 
 
 # =============================================================================================== 6. validation
@@ -1099,7 +1191,7 @@ BAD_HYPER = [
     ("AccumGrad(2.5)", lambda: O.AccumGrad(2.5), ValueError, "AccumGrad: n must be an integer >= 1, got 2.5"),
     ("AccumGrad('2')", lambda: O.AccumGrad("2"), TypeError, "AccumGrad: n must be an integer, got str"),
     ("ClipNorm p", lambda: O.ClipNorm(1.0, p="2"), TypeError, "ClipNorm: p must be a number"),
-    ("Muon rho", lambda: O.Muon(0.02, rho=2.0), ValueError, r"Muon: rho must be in \[0, 1\]"),
+    ("Muon rho", lambda: O.Muon(0.02, rho=2.0), ValueError, r"Muon: rho must be in \[0, 1\)"),
 ]
 
 
@@ -1322,7 +1414,9 @@ def test_schedule_free_none_gradient_does_not_advance_that_parameter():
     (lambda: O.ScheduleFreeAdamW(0.01, warmup_steps=2), [{"lr": 0.001},
                                                          {"beta": (0.5, 0.9), "warmup_steps": 10.0,
                                                           "weight_lr_power": 1.0, "weight_decay": 0.1}]),
-], ids=["Lamb", "Lars", "ScheduleFreeAdamW"])
+    (lambda: O.Muon(0.02, consistent_rms=0.2), [{"lr": 0.001}, {"rho": 0.5, "eps": 1e-6, "weight_decay": 0.1,
+                                                                "consistent_rms": 0.3}]),
+], ids=["Lamb", "Lars", "ScheduleFreeAdamW", "Muon"])
 def test_adjust_new_rules_never_retraces(make, changes):
     traces = []
 
@@ -1333,6 +1427,8 @@ def test_adjust_new_rules_never_retraces(make, changes):
 
     model = {"w": jnp.ones((2, 3)), "b": vec(0.5, -0.5)}
     grads = {"w": jnp.full((2, 3), 0.3), "b": vec(1.0, -2.0)}
+    if isinstance(make(), O.Muon):                           # matrices only
+        model["b"], grads["b"] = jnp.ones((2, 2)), jnp.eye(2)
     state = optim.setup(make(), model)
     state, model = step(state, model, grads)
     for kw in changes:

@@ -17,7 +17,7 @@ from test_rules import CASES
 O = optim
 
 # Rules that reduce over a parameter (norms, matrix products): summation order may differ once batched.
-REDUCING = ("ClipNorm", "Muon", "Global", "SkipNonFinite", "Lamb", "Lars")
+REDUCING = ("ClipNorm", "Muon", "Global", "SkipNonFinite", "Lamb", "Lars", "Adafactor")
 
 EXTRA = [
     ("AccumGrad(2)+Adam", lambda: O.OptimiserChain(O.AccumGrad(2), O.Adam(0.1))),
@@ -29,6 +29,9 @@ EXTRA = [
     ("ScheduleFreeAdamW(.1,wd,warmup)", lambda: O.ScheduleFreeAdamW(0.1, weight_decay=0.1, warmup_steps=2)),
     ("Adam(bf16 m,v)", lambda: O.Adam(0.1, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
     ("Lion(bf16 m)", lambda: O.Lion(0.1, mu_dtype=jnp.bfloat16)),
+    ("Adafactor(factored,momentum,wd)", lambda: O.Adafactor(0.1, momentum=0.9, weight_decay=0.01,
+                                                            min_dim_size_to_factor=3)),
+    ("Adafactor(unfactored)", lambda: O.Adafactor(0.1, factored=False)),
 ]
 RULES = [(c[0], c[1]) for c in CASES] + EXTRA
 
