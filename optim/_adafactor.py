@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._rules import _load, _mu_zeros, _StateDtypes
+from ._moments import load, mu_zeros, StateDtypes
 from ._schedules import Hyper
 from ._step import Rule, _abs2, _compute, _real, as_compute
 
@@ -28,7 +28,7 @@ def factored_dims(shape: tuple[int, ...], min_dim: int) -> tuple[int, int] | Non
     return int(order[-2]), int(order[-1])
 
 
-class Adafactor(_StateDtypes, Rule):
+class Adafactor(StateDtypes, Rule):
     """Adafactor (Shazeer & Stern 2018): an RMS-normalised step whose second moment is *factored*. For a
     parameter with two axes of at least `min_dim_size_to_factor` entries, with `d₀` its largest axis and `d₁`
     the second largest, only the means of `G = |g|² + ε₁` over each are kept:
@@ -124,7 +124,7 @@ class Adafactor(_StateDtypes, Rule):
             state["v_row"] = jnp.zeros(np.delete(x.shape, d0), _real(x))
             state["v_col"] = jnp.zeros(np.delete(x.shape, d1), _real(x))
         if self.momentum is not None:
-            state["m"] = _mu_zeros(self, x)
+            state["m"] = mu_zeros(self, x)
         return state
 
     def apply(self, state, x, dx, *dxs):
@@ -139,12 +139,12 @@ class Adafactor(_StateDtypes, Rule):
         g2 = _abs2(g) + c(self.eps)
         dims = self._dims(x)
         if dims is None:
-            (v,) = _load(x, state["v"])
+            (v,) = load(x, state["v"])
             moments = {"v": rho * v + (1 - rho) * g2}
             u = g * jax.lax.rsqrt(moments["v"])
         else:
             d1, d0 = dims
-            r, col = _load(x, state["v_row"], state["v_col"])
+            r, col = load(x, state["v_row"], state["v_col"])
             r = rho * r + (1 - rho) * jnp.mean(g2, axis=d0)
             col = rho * col + (1 - rho) * jnp.mean(g2, axis=d1)
             r_mean = jnp.mean(r, axis=d1 - 1 if d1 > d0 else d1, keepdims=True)    # d1's axis in r (d0 removed)
@@ -156,7 +156,7 @@ class Adafactor(_StateDtypes, Rule):
             u = u * jnp.maximum(_rms(x), c(self.min_scale))
         if self.momentum is not None:
             beta = c(self.momentum)
-            (m,) = _load(x, state["m"])
+            (m,) = load(x, state["m"])
             u = moments["m"] = beta * m + (1 - beta) * u
         # moments are computed unrounded and rounded only to be stored (their dtype at init)
         new = {k: a.astype(state[k].dtype) for k, a in moments.items()}

@@ -183,12 +183,12 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
         used.add(k)
         if isinstance(rule, Rule) and k not in inner:
             old = getattr(rule, k)
-            if (v is None) != (old is None):   # an optional part of the rule (Adafactor's momentum) on or off
-                raise ValueError(f"adjust: {type(rule).__name__}.{k}: between None and a number is structural "
-                                 f"(it changes the state or the program); call optim.setup again with the new rule")
             if isinstance(old, tuple) and not isinstance(v, (tuple, list)):
                 raise ValueError(f"adjust: {type(rule).__name__}.{k} is a tuple of {len(old)} values, got {v!r}")
             v = type(rule)._checked(k, v)      # the constructor's checks, and ints made floating
+            if (v is None) != (old is None):   # an optional part of the rule (Adafactor's momentum) on or off
+                raise ValueError(f"adjust: {type(rule).__name__}.{k}: between None and a number is structural "
+                                 f"(it changes the state or the program); call optim.setup again with the new rule")
         changes[k] = v
     for k in inner:   # inside wrapped rules, unless the wrapped rule itself is being replaced
         if k not in changes:

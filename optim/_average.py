@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,11 @@ from ._step import Gated, Rule, _where, apply_all, apply_one, apply_step, as_com
 from ._tree import PyTree
 
 __all__ = ["EMA", "averaged"]
+
+
+class EMAState(NamedTuple):
+    inner: Any           # the wrapped rule's state
+    average: Any         # the moving average of the parameter
 
 
 class EMA(Rule):
@@ -32,7 +37,7 @@ class EMA(Rule):
         decay: δ, default 0.999, in [0, 1] (adjustable, or a schedule: a warmup of the decay such as
             `Linear(0.9, 0.999, 1000)` lets the average follow the fast early changes).
 
-    State: `(inner, average)`: `rule`'s state and the average, in the parameter's dtype or float32 if
+    State: `EMAState(inner, average)`: `rule`'s state and the average, in the parameter's dtype or float32 if
     that is wider (a bfloat16 average would round away updates smaller than its precision).
 
     optax: the average of `optax.ema(δ, debias=False)` fed with the parameters after each step, its state
@@ -60,7 +65,7 @@ class EMA(Rule):
         self.__post_init__()
 
     def init(self, x):
-        return self.rule.init(x), x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return EMAState(self.rule.init(x), x.astype(jnp.promote_types(x.dtype, jnp.float32)))
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
@@ -73,7 +78,7 @@ class EMA(Rule):
                 d = as_compute(self.decay, avg)
                 moved = d * avg + (1 - d) * apply_step(x, step).astype(avg.dtype)
                 avg = _where(step.ok, moved, avg) if isinstance(step, Gated) else moved
-            new.append((st, avg))
+            new.append(EMAState(st, avg))
         return new, steps
 
     def average(self, state, x):

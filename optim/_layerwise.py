@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._rules import _bt_init, _bt_next, _load, _moments, _mu_zeros, _StateDtypes
+from ._moments import bt_init, bt_next, load, moments, mu_zeros, StateDtypes
+from ._rules import AdamState
 from ._schedules import Hyper
 from ._step import Rule, _abs2, _eps, _zeros_real, as_compute
 
@@ -47,7 +48,12 @@ def _axes(v: Any) -> tuple[int, ...] | None:
     return (operator.index(v),) if not isinstance(v, (tuple, list)) else tuple(operator.index(a) for a in v)
 
 
-class Muon(_StateDtypes, Rule):
+class MuonState(NamedTuple):
+    mu: Any              # the momentum
+    count: Any           # the parameter's number of steps, int32
+
+
+class Muon(StateDtypes, Rule):
     """Muon (Jordan et al. 2024): momentum orthogonalised by Newton-Schulz. With `t` the parameter's step:
 
     - `m ← β m + (1 - β) g`; the direction `u = β m / (1 - βᵗ⁺¹) + (1 - β) g / (1 - βᵗ)` (Nesterov), or
@@ -79,7 +85,7 @@ class Muon(_StateDtypes, Rule):
             ones); ints or tuples of ints, negative counting from the end (structural).
         mu_dtype: storage dtype of `m`, default None (the parameter's dtype); structural.
 
-    State: a dict: `count`, the parameter's number of steps (int32), and `mu`, the momentum `m` (starting at 0).
+    State: `MuonState(mu, count)`: the momentum `m` (starting at 0) and the parameter's number of steps (int32).
     Counts are per parameter: one with no step (a `None` gradient, frozen) keeps its `t`.
 
     Reference: K. Jordan, Y. Jin, V. Boza, J. You, F. Cesista, L. Newhouse, J. Bernstein, "Muon: An optimizer
@@ -153,13 +159,13 @@ class Muon(_StateDtypes, Rule):
 
     def init(self, x):
         self._matrix(x.shape)
-        return {"count": jnp.zeros((), jnp.int32), "mu": _mu_zeros(self, x)}
+        return MuonState(mu_zeros(self, x), jnp.zeros((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
         c = lambda v: as_compute(v, x)   # noqa: E731
         beta = c(self.rho)
-        count = state["count"] + 1
-        (mu,) = _load(x, state["mu"])
+        count = state.count + 1
+        (mu,) = load(x, state.mu)
         g = dx.astype(jnp.promote_types(dx.dtype, mu.dtype))
         mu = beta * mu + (1 - beta) * g
         t = count.astype(beta.dtype)
@@ -181,7 +187,7 @@ class Muon(_StateDtypes, Rule):
         else:
             scale = max(fan_in, fan_out) ** 0.5 * c(self.consistent_rms)
         step = c(self.lr) * (scale * o + c(self.weight_decay) * x)
-        return {"count": count, "mu": mu.astype(state["mu"].dtype)}, step
+        return MuonState(mu.astype(state.mu.dtype), count), step
 
 
 # ----------------------------------------------------------------------------------------------- layer-wise
@@ -214,7 +220,7 @@ class Lamb(Rule):
             `by_path({"*.bias": Lamb(1e-3), "*": Lamb(1e-3, weight_decay=0.01)})`.
         eps_root: ε_root, added inside the square root, default 0.0, >= 0.
 
-    State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: Y. You, J. Li, S. Reddi, J. Hseu, S. Kumar, S. Bhojanapalli, X. Song, J. Demmel, K. Keutzer,
     C.-J. Hsieh, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", 2019,
@@ -240,16 +246,16 @@ class Lamb(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return AdamState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt = state
-        m, v = _moments(self.beta, m, v, dx, x)
+        m, v = moments(self.beta, m, v, dx, x)
         vhat = v / (1 - bt[1]) + as_compute(self.eps_root, x)
         u = m / (1 - bt[0]) / (jnp.sqrt(vhat) + _eps(self.eps, x)) + as_compute(self.weight_decay, x) * x
         lr = as_compute(self.lr, x)
         step = (lr * _trust_ratio(x, u, jnp.ones((), lr.dtype), jnp.zeros((), lr.dtype))) * u
-        return (m, v, _bt_next(bt, self.beta, x)), step
+        return AdamState(m, v, bt_next(bt, self.beta, x)), step
 
 
 class Lars(Rule):

@@ -13,29 +13,21 @@ parameters, conjugated: JAX's gradient of a real loss w.r.t. a complex `w` is th
 descent direction, so after conjugation `x - η g` descends, as in Optimisers.jl and PyTorch. Rules compute in
 the parameter's real dtype but at least float32 (`optim._step._compute`); states keep their storage dtype.
 
-Moment dtypes: the Adam family (Adam, AdamW, NAdam, RAdam, AMSGrad, AdaBelief) takes `mu_dtype` and `nu_dtype`,
-Lion and Momentum take `mu_dtype`: the storage dtype of the first moment (or velocity) and of the second
-moment(s), e.g. `Adam(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)` halves a float32 model's optimiser
-state. They are real floating dtypes or None (the default: the parameter's dtype, its real dtype for second
-moments), structural (`_static`: a dtype changes the program, `adjust` refuses it), and checked when the rule is
-built. `apply` reads a stored moment in the wider of its dtype and the compute dtype (so a bfloat16 moment is
-updated in float32, and a float64 run is not truncated), computes the step from the unrounded new moments and
-rounds them to their storage dtype only to store them (as optax's `mu_dtype`); the parameter keeps its dtype.
-A complex parameter's first moment is complex: `mu_dtype` float32 / float64 stores it as complex64 / complex128;
-a 16-bit `mu_dtype` has no complex counterpart and is a `TypeError` at `setup` (its `nu_dtype` applies as is:
-second moments are real).
+States are named tuples (`AdamState(mu, nu, bt)`: `state["w"].state.mu`), which index like the plain tuples
+of earlier versions (files written by `optim.save` then still load). Moment storage dtypes (`mu_dtype`,
+`nu_dtype`) are described in `optim._moments`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ._moments import bt_init, bt_next, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _compute, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
+from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
 
 __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
@@ -44,61 +36,61 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------- state dtypes
-_COMPLEX_OF = {jnp.dtype(jnp.float32): jnp.dtype(jnp.complex64), jnp.dtype(jnp.float64): jnp.dtype(jnp.complex128)}
+# ----------------------------------------------------------------------------------------------- states
+# Named per-parameter states: `state["w"].state.mu` reads as the docstrings do, and `state_dict` keys by name.
+# They flatten like the tuples they replaced (same leaves, same order), so stacking, vmap and old files agree.
+class RpropState(NamedTuple):
+    g_prev: Any          # the previous gradient (0 after a sign flip)
+    eta: Any             # the per-element step sizes
 
 
-def _dtype_arg(owner: str, name: str, v: Any) -> Any:
-    """A `mu_dtype` / `nu_dtype` argument in stored form: None, or a real floating `jnp.dtype`."""
-    if v is None:
-        return None
-    try:   # a dtype, a scalar type (jnp.bfloat16) or a name ("bfloat16"); not an array, whose dtype jnp.dtype reads
-        d = jnp.dtype(v) if isinstance(v, (np.dtype, type, str)) else None
-    except (TypeError, ValueError):
-        d = None
-    if d is None or not jnp.issubdtype(d, jnp.floating):
-        raise TypeError(f"{owner}: {name} must be a real floating dtype (jnp.bfloat16, jnp.float32, ...) or None, "
-                        f"got {v!r}")
-    return d
+class RMSPropState(NamedTuple):
+    quad: Any            # running mean of |g|²
+    lin: Any             # running mean of g (centred), else None
 
 
-class _StateDtypes:
-    """Mixin of the rules with `mu_dtype` (and `nu_dtype`) fields: checks them at construction."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("mu_dtype", "nu_dtype"):
-            if hasattr(self, name):
-                object.__setattr__(self, name, _dtype_arg(type(self).__name__, name, getattr(self, name)))
+class AdamState(NamedTuple):
+    """The state of Adam, AdamW, NAdam and Lamb."""
+    mu: Any              # first moment
+    nu: Any              # second moment
+    bt: Any              # running powers (β₁ᵗ, β₂ᵗ) of the bias correction
 
 
-def _mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
-    """A first moment of `x` filled with `fill`, in `rule.mu_dtype` (default: `x`'s dtype); for a complex `x`,
-    the complex dtype of `mu_dtype`'s precision."""
-    d = rule.mu_dtype
-    if d is not None and jnp.iscomplexobj(x):
-        if d not in _COMPLEX_OF:
-            raise TypeError(f"{type(rule).__name__}: mu_dtype={d.name} cannot hold the first moment of a complex "
-                            f"parameter ({jnp.dtype(x.dtype).name}): there is no complex {d.name}; use float32, "
-                            "float64 or None")
-        d = _COMPLEX_OF[d]
-    return jnp.full_like(x, fill, dtype=d)
+class RAdamState(NamedTuple):
+    mu: Any
+    nu: Any
+    bt: Any
+    t: Any               # the step number, int32
 
 
-def _nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
-    """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype)."""
-    return jnp.full(x.shape, fill, _real(x) if rule.nu_dtype is None else rule.nu_dtype)
+class AdaMaxState(NamedTuple):
+    mu: Any
+    u: Any               # exponentially weighted infinity norm
+    bt: Any
 
 
-def _load(x: jax.Array, *moments: jax.Array) -> tuple:
-    """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype."""
-    c = _compute(x)
-    return tuple(a.astype(jnp.promote_types(a.dtype, c)) for a in moments)
+class OAdamState(NamedTuple):
+    mu: Any
+    nu: Any
+    bt: Any
+    term: Any            # the previous step's term, T_prev
 
 
-def _store(new: tuple, old: tuple) -> tuple:
-    """New moments rounded to the storage dtypes of the old ones."""
-    return tuple(n.astype(o.dtype) for n, o in zip(new, old))
+class AdaDeltaState(NamedTuple):
+    acc_grad: Any        # running mean of |g|²
+    acc_step: Any        # running mean of |step|²
+
+
+class AMSGradState(NamedTuple):
+    mu: Any
+    nu: Any
+    nu_max: Any          # the running maximum of the second moment
+
+
+class AdaBeliefState(NamedTuple):
+    mu: Any
+    s: Any               # the "belief" second moment of g - m
+    bt: Any
 
 
 # ----------------------------------------------------------------------------------------------- SGD family
@@ -127,14 +119,14 @@ class Descent(Rule):
         return state, as_compute(self.lr, x) * dx
 
 
-class Momentum(_StateDtypes, Rule):
+class Momentum(StateDtypes, Rule):
     """Gradient descent with (heavy-ball) momentum: `v ← ρ v + η g`, `step = v`.
 
     Args:
         lr: learning rate η, default 0.01, >= 0.
         rho: momentum ρ, default 0.9, in [0, 1].
         mu_dtype: storage dtype of `v`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
 
     State: `v`, the velocity (the last step), in `mu_dtype` (default the parameter's dtype), starting at 0.
 
@@ -161,10 +153,10 @@ class Momentum(_StateDtypes, Rule):
     _decay = ("rho",)
 
     def init(self, x):
-        return _mu_zeros(self, x)
+        return mu_zeros(self, x)
 
     def apply(self, v0, x, dx, *dxs):
-        (v,) = _load(x, v0)
+        (v,) = load(x, v0)
         v = as_compute(self.rho, x) * v + as_compute(self.lr, x) * dx
         return v.astype(v0.dtype), v
 
@@ -216,8 +208,8 @@ class Rprop(Rule):
         ell: `(shrink, grow)` factors (η⁻, η⁺), default (0.5, 1.2), each >= 0.
         gamma: `(min, max)` bounds of the step sizes (Γ_min, Γ_max), default (1e-6, 50.0), each >= 0.
 
-    State: `(g_prev, η)`: the previous gradient (0 after a sign flip), starting at 0, and the per-element step
-    sizes, starting at `lr`; both in the parameter's dtype.
+    State: `RpropState(g_prev, eta)`: the previous gradient (0 after a sign flip), starting at 0, and the
+    per-element step sizes, starting at `lr`; both in the parameter's dtype.
 
     Reference: M. Riedmiller, H. Braun, "A direct adaptive method for faster backpropagation learning: the
     RPROP algorithm", IEEE International Conference on Neural Networks, 1993,
@@ -239,7 +231,7 @@ class Rprop(Rule):
     def init(self, x):
         if jnp.iscomplexobj(x):
             raise TypeError("Rprop needs real parameters (it compares gradient signs)")
-        return jnp.zeros_like(x), jnp.full_like(x, as_compute(self.lr, x))
+        return RpropState(jnp.zeros_like(x), jnp.full_like(x, as_compute(self.lr, x)))
 
     def apply(self, state, x, dx, *dxs):
         gp, eta = state
@@ -247,7 +239,7 @@ class Rprop(Rule):
         s = gp * dx
         eta = jnp.where(s > 0, jnp.minimum(eta * hi, gmax), jnp.where(s < 0, jnp.maximum(eta * lo, gmin), eta))
         gp = jnp.where(s < 0, jnp.zeros_like(dx), dx)
-        return (gp, eta), eta * jnp.sign(gp)
+        return RpropState(gp, eta), eta * jnp.sign(gp)
 
 
 # ----------------------------------------------------------------------------------------------- adaptive
@@ -261,8 +253,8 @@ class RMSProp(Rule):
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         centred: subtract the squared running mean of `g` (Graves' centred form), default False (structural).
 
-    State: `(q, l)`: the running mean of `|g|²` (real dtype) and, when centred, the running mean of `g`
-    (else `None`); both start at 0.
+    State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (real dtype), and when centred `l`, the
+    running mean of `g` (else `None`); both start at 0.
 
     Reference: T. Tieleman, G. Hinton, "Lecture 6.5 — RMSProp: divide the gradient by a running average of its
     recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012,
@@ -289,7 +281,7 @@ class RMSProp(Rule):
     _decay = ("rho",)
 
     def init(self, x):
-        return _zeros_real(x), (jnp.zeros_like(x) if self.centred else None)
+        return RMSPropState(_zeros_real(x), jnp.zeros_like(x) if self.centred else None)
 
     def apply(self, state, x, dx, *dxs):
         q, l = state
@@ -300,26 +292,12 @@ class RMSProp(Rule):
             q_eff = q - _abs2(l)
         else:
             q_eff = q
-        return (q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + _eps(self.eps, x))
+        return RMSPropState(q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + _eps(self.eps, x))
 
 
-def _moments(beta, m, v, dx, x):
-    """Adam's moment updates: `(β₁ m + (1 - β₁) g, β₂ v + (1 - β₂)|g|²)`."""
-    b1, b2 = _pair(beta, x)
-    return b1 * m + (1 - b1) * dx, b2 * v + (1 - b2) * _abs2(dx)
 
 
-def _bt_init(beta, x):
-    """The running powers (β₁ᵗ, β₂ᵗ) at t = 1, as one array: one buffer and one kernel per parameter, not two."""
-    return jnp.stack(_pair(beta, x))
-
-
-def _bt_next(bt, beta, x):
-    """The running powers one step later."""
-    return bt * jnp.stack(_pair(beta, x))
-
-
-class Adam(_StateDtypes, Rule):
+class Adam(StateDtypes, Rule):
     """Adam: `m ← β₁ m + (1 - β₁) g`, `v ← β₂ v + (1 - β₂)|g|²`, `step = η m̂ / (√v̂ + ε)`.
 
     Args:
@@ -327,10 +305,10 @@ class Adam(_StateDtypes, Rule):
         beta: decay rates (β₁, β₂) of the moments, default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, bt)`: first moment (`mu_dtype`, default the parameter dtype), second moment (`nu_dtype`,
+    State: `AdamState(mu, nu, bt)`: first moment (`mu_dtype`, default the parameter dtype), second moment (`nu_dtype`,
     default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ) as one array of 2.
 
     Reference: D. P. Kingma, J. Ba, "Adam: A Method for Stochastic Optimization", 2014,
@@ -359,16 +337,16 @@ class Adam(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
+        return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
-        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
+        m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         step = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
-        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
-class RAdam(_StateDtypes, Rule):
+class RAdam(StateDtypes, Rule):
     """Rectified Adam: with `ρ∞ = 2/(1 - β₂) - 1` and `ρ = ρ∞ - 2t bt₂/(1 - bt₂)`, `step = η r m̂ / (√v̂ + ε)`
     when `ρ > 4` (`r = √((ρ-4)(ρ-2)ρ∞ / ((ρ∞-4)(ρ∞-2)ρ))`), else `η m̂` (momentum SGD while the variance of
     the adaptive rate is intractable).
@@ -378,11 +356,11 @@ class RAdam(_StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, bt, t)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the number
-    `t` of the next step (int32, starting at 1).
+    State: `RAdamState(mu, nu, bt, t)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
+    number `t` of the next step (int32, starting at 1).
 
     Reference: L. Liu, H. Jiang, P. He, W. Chen, X. Liu, J. Gao, J. Han, "On the Variance of the Adaptive
     Learning Rate and Beyond", 2019, https://arxiv.org/abs/1908.03265
@@ -408,18 +386,18 @@ class RAdam(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x), jnp.ones((), jnp.int32)
+        return RAdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x), jnp.ones((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
         bt, t = state[2:]
-        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
+        m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         b2 = as_compute(self.beta[1], x)
         rho_inf = 2 / (1 - b2) - 1
         rho = rho_inf - 2 * t.astype(b2.dtype) * bt[1] / (1 - bt[1])
         r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
         lr, mhat = as_compute(self.lr, x), m / (1 - bt[0])
         step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * lr, mhat * lr)
-        return (*_store((m, v), state), _bt_next(bt, self.beta, x), t + 1), step
+        return RAdamState(*store((m, v), state), bt_next(bt, self.beta, x), t + 1), step
 
 
 class AdaMax(Rule):
@@ -431,8 +409,8 @@ class AdaMax(Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
 
-    State: `(m, u, bt)`: first moment (parameter dtype), exponentially weighted infinity norm (real dtype), both
-    starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
+    State: `AdaMaxState(mu, u, bt)`: first moment (parameter dtype), exponentially weighted infinity norm (real
+    dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
 
     Reference: D. P. Kingma, J. Ba, "Adam: A Method for Stochastic Optimization" (section 7), 2014,
     https://arxiv.org/abs/1412.6980
@@ -452,7 +430,7 @@ class AdaMax(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x)
+        return AdaMaxState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         m, u, bt = state
@@ -460,7 +438,7 @@ class AdaMax(Rule):
         m = b1 * m + (1 - b1) * dx
         u = jnp.maximum(b2 * u, jnp.abs(dx))
         step = (as_compute(self.lr, x) / (1 - bt[0])) * m / (u + _eps(self.eps, x))
-        return (m, u, _bt_next(bt, self.beta, x)), step
+        return AdaMaxState(m, u, bt_next(bt, self.beta, x)), step
 
 
 class OAdam(Rule):
@@ -471,7 +449,7 @@ class OAdam(Rule):
         beta: decay rates (β₁, β₂), default (0.5, 0.9), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
 
-    State: `(m, v, bt, T_prev)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
+    State: `OAdamState(mu, nu, bt, term)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
     previous Adam step `T` (parameter dtype, starting at 0).
 
     Reference: C. Daskalakis, A. Ilyas, V. Syrgkanis, H. Zeng, "Training GANs with Optimism", 2017,
@@ -492,13 +470,13 @@ class OAdam(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return jnp.zeros_like(x), _zeros_real(x), _bt_init(self.beta, x), jnp.zeros_like(x)
+        return OAdamState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x), jnp.zeros_like(x))
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt, prev = state
-        m, v = _moments(self.beta, m, v, dx, x)
+        m, v = moments(self.beta, m, v, dx, x)
         term = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x))
-        return (m, v, _bt_next(bt, self.beta, x), term), 2 * term - prev
+        return OAdamState(m, v, bt_next(bt, self.beta, x), term), 2 * term - prev
 
 
 class AdaGrad(Rule):
@@ -545,7 +523,8 @@ class AdaDelta(Rule):
         rho: decay ρ of the running averages, default 0.9, in [0, 1].
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
 
-    State: `(a, d)`: running means of `|g|²` and of `|step|²` (real dtype), both starting at 0.
+    State: `AdaDeltaState(acc_grad, acc_step)`: running means of `|g|²` and of `|step|²` (real dtype), both starting
+    at 0.
 
     Reference: M. D. Zeiler, "ADADELTA: An Adaptive Learning Rate Method", 2012,
     https://arxiv.org/abs/1212.5701
@@ -564,17 +543,17 @@ class AdaDelta(Rule):
     _decay = ("rho",)
 
     def init(self, x):
-        return _zeros_real(x), _zeros_real(x)
+        return AdaDeltaState(_zeros_real(x), _zeros_real(x))
 
     def apply(self, state, x, dx, *dxs):
         a, d = state
         rho, eps = as_compute(self.rho, x), _eps(self.eps, x)
         a = rho * a + (1 - rho) * _abs2(dx)
         step = dx * jnp.sqrt(d + eps) / jnp.sqrt(a + eps)
-        return (a, rho * d + (1 - rho) * _abs2(step)), step
+        return AdaDeltaState(a, rho * d + (1 - rho) * _abs2(step)), step
 
 
-class AMSGrad(_StateDtypes, Rule):
+class AMSGrad(StateDtypes, Rule):
     """AMSGrad (no bias correction): `m`, `v` as in Adam, `v̂ ← max(v̂, v)`, `step = η m / (√v̂ + ε)`;
     `m`, `v`, `v̂` start at ε.
 
@@ -583,11 +562,11 @@ class AMSGrad(_StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `v` and `v̂`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, v̂)`: first moment (`mu_dtype`, default the parameter dtype), second moment and its running
-    maximum (`nu_dtype`, default the real dtype), all starting at ε.
+    State: `AMSGradState(mu, nu, nu_max)`: first moment (`mu_dtype`, default the parameter dtype), second moment and
+    its running maximum (`nu_dtype`, default the real dtype), all starting at ε.
 
     Reference: S. J. Reddi, S. Kale, S. Kumar, "On the Convergence of Adam and Beyond", ICLR 2018,
     https://arxiv.org/abs/1904.09237
@@ -615,16 +594,17 @@ class AMSGrad(_StateDtypes, Rule):
 
     def init(self, x):
         e = as_compute(self.eps, x)
-        return _mu_zeros(self, x, e), _nu_zeros(self, x, e), _nu_zeros(self, x, e)
+        return AMSGradState(mu_zeros(self, x, e), nu_zeros(self, x, e), nu_zeros(self, x, e))
 
     def apply(self, state, x, dx, *dxs):
-        m, v, vmax = _load(x, *state)
-        m, v = _moments(self.beta, m, v, dx, x)
+        m, v, vmax = load(x, *state)
+        m, v = moments(self.beta, m, v, dx, x)
         vmax = jnp.maximum(vmax, v)
-        return _store((m, v, vmax), state), as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + _eps(self.eps, x))
+        step = as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + _eps(self.eps, x))
+        return AMSGradState(*store((m, v, vmax), state)), step
 
 
-class NAdam(_StateDtypes, Rule):
+class NAdam(StateDtypes, Rule):
     """Nesterov Adam: `m`, `v` as in Adam, then
     `step = η (β₁ m / (1 - β₁ bt₁) + (1 - β₁) g / (1 - bt₁)) / (√(β₂ v / (1 - bt₂)) + ε)`.
 
@@ -633,10 +613,10 @@ class NAdam(_StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: T. Dozat, "Incorporating Nesterov Momentum into Adam", ICLR 2016 workshop,
     https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ
@@ -662,18 +642,18 @@ class NAdam(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
+        return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
         b1, b2 = _pair(self.beta, x)
-        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
+        m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         num = b1 * m / (1 - b1 * bt[0]) + (1 - b1) * dx / (1 - bt[0])
         step = num / (jnp.sqrt(v * b2 / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
-        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
-class AdamW(_StateDtypes, Rule):
+class AdamW(StateDtypes, Rule):
     """Adam with decoupled weight decay. With `A` the Adam step at η = 1:
     `step = η (A + λ x)` (`couple=True`, PyTorch's convention) or `η A + λ x` (`couple=False`). λ defaults to 0.
 
@@ -684,10 +664,10 @@ class AdamW(_StateDtypes, Rule):
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         couple: whether the decay is scaled by η, default True (structural).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `(m, v, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: I. Loshchilov, F. Hutter, "Decoupled Weight Decay Regularization", 2017,
     https://arxiv.org/abs/1711.05101
@@ -715,19 +695,19 @@ class AdamW(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
+        return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
-        m, v = _moments(self.beta, *_load(x, *state[:2]), dx, x)
+        m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         # Optimisers.jl: the inner Adam uses the raw ε, floored like every other rule for 16-bit floats here.
         a = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x))
         lr, wd = as_compute(self.lr, x), as_compute(self.weight_decay, x)
         step = lr * (a + wd * x) if self.couple else lr * a + wd * x
-        return (*_store((m, v), state), _bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
-class AdaBelief(_StateDtypes, Rule):
+class AdaBelief(StateDtypes, Rule):
     """AdaBelief: `m ← β₁ m + (1 - β₁) g`, `s ← β₂ s + (1 - β₂)|g - m|² + ε`,
     `step = η m̂ / (√(s / (1 - bt₂)) + ε)`.
 
@@ -736,11 +716,11 @@ class AdaBelief(_StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-16, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
         nu_dtype: storage dtype of `s`, default None (the parameter's real dtype); structural.
 
-    State: `(m, s, bt)`: first moment (`mu_dtype`, default the parameter dtype), the "belief" second moment of
-    `g - m` (`nu_dtype`, default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
+    State: `AdaBeliefState(mu, s, bt)`: first moment (`mu_dtype`, default the parameter dtype), the "belief" second
+    moment of `g - m` (`nu_dtype`, default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
 
     Reference: J. Zhuang, T. Tang, Y. Ding, S. Tatikonda, N. Dvornek, X. Papademetris, J. Duncan, "AdaBelief
     Optimizer: Adapting Stepsizes by the Belief in Observed Gradients", 2020, https://arxiv.org/abs/2010.07468
@@ -765,19 +745,19 @@ class AdaBelief(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x), _nu_zeros(self, x), _bt_init(self.beta, x)
+        return AdaBeliefState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        (m, s), bt = _load(x, *state[:2]), state[2]
+        (m, s), bt = load(x, *state[:2]), state[2]
         b1, b2 = _pair(self.beta, x)
         eps = _eps(self.eps, x)
         m = b1 * m + (1 - b1) * dx
         s = b2 * s + (1 - b2) * _abs2(dx - m) + eps
         step = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(s / (1 - bt[1])) + eps)
-        return (*_store((m, s), state), _bt_next(bt, self.beta, x)), step
+        return AdaBeliefState(*store((m, s), state), bt_next(bt, self.beta, x)), step
 
 
-class Lion(_StateDtypes, Rule):
+class Lion(StateDtypes, Rule):
     """Lion (Chen et al. 2023, the paper's form): `step = η sign(β₁ m + (1 - β₁) g)` with the previous `m`,
     then `m ← β₂ m + (1 - β₂) g`. Optimisers.jl swaps the two EMA weights; this does not.
 
@@ -786,7 +766,7 @@ class Lion(_StateDtypes, Rule):
         beta: (β₁, β₂): the interpolation for the step and the momentum's decay, default (0.9, 0.99), each in
             [0, 1).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See "Moment dtypes" in `optim._rules`.
+            parameter's dtype); structural. See `optim._moments`.
 
     State: `m`, the momentum (`mu_dtype`, default the parameter dtype), starting at 0.
 
@@ -812,10 +792,10 @@ class Lion(_StateDtypes, Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return _mu_zeros(self, x)
+        return mu_zeros(self, x)
 
     def apply(self, m0, x, dx, *dxs):
-        (m,) = _load(x, m0)
+        (m,) = load(x, m0)
         b1, b2 = _pair(self.beta, x)
         step = as_compute(self.lr, x) * jnp.sign(b1 * m + (1 - b1) * dx)
         return (b2 * m + (1 - b2) * dx).astype(m0.dtype), step

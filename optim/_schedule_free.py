@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -10,6 +12,13 @@ from ._schedules import Hyper
 from ._step import Rule, _abs2, _compute, _eps, _pair, _zeros_real, as_compute
 
 __all__ = ["ScheduleFreeAdamW"]
+
+
+class ScheduleFreeState(NamedTuple):
+    z: Any               # the base sequence
+    nu: Any              # the second moment
+    t: Any               # the number of the next step, int32
+    a: Any               # (S, η_max, β₁'): the averaging sum, the largest warmed-up η, the β₁ that built y
 
 
 class ScheduleFreeAdamW(Rule):
@@ -41,8 +50,8 @@ class ScheduleFreeAdamW(Rule):
     All are adjustable (`optim.adjust`); a changed β₁ is safe: `x` is recovered with the β₁ stored in the
     state and `y` rebuilt with the new one.
 
-    State: `(z, v, t, a)`: the base sequence `z` (starting at the parameter; its dtype, or float32 if that is
-    wider), the second moment `v` (real dtype, starting at 0), the number `t` of the next step (int32,
+    State: `ScheduleFreeState(z, nu, t, a)`: the base sequence `z` (starting at the parameter; its dtype, or float32
+    if that is wider), the second moment `v` (real dtype, starting at 0), the number `t` of the next step (int32,
     starting at 1) and `a = (S, η_max, β₁')` (compute dtype, starting at (0, 0, 1)).
 
     Reference: A. Defazio, X. A. Yang, H. Mehta, K. Mishchenko, A. Khaled, A. Cutkosky, "The Road Less
@@ -82,7 +91,7 @@ class ScheduleFreeAdamW(Rule):
     def init(self, x):
         z = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         a = jnp.asarray([0.0, 0.0, 1.0], _compute(x))
-        return z, _zeros_real(x), jnp.ones((), jnp.int32), a
+        return ScheduleFreeState(z, _zeros_real(x), jnp.ones((), jnp.int32), a)
 
     def apply(self, state, x, dx, *dxs):
         z, v, t, a = state
@@ -103,7 +112,7 @@ class ScheduleFreeAdamW(Rule):
         x_prev = (x - (1 - a[2]) * z) / a[2]
         avg = (1 - c) * x_prev + c * z_new
         y = b1 * avg + (1 - b1) * z_new
-        return (z_new, v, t + 1, jnp.stack([total, lr_max, b1])), x - y
+        return ScheduleFreeState(z_new, v, t + 1, jnp.stack([total, lr_max, b1])), x - y
 
     def average(self, state, x):
         z, _, _, a = state

@@ -32,8 +32,10 @@ def state_dict(state: State) -> dict:
     `{"step": state.step, "params": {canonical_path: per-parameter state}}`.
 
     Each parameter (a tie group is one, under its canonical path, `state.paths()`) has its own entry, the
-    state its rule's `init` returns: Adam's `(m, v, beta_powers)` tuple, `None` for `Descent`, ... (named fields
-    are later work; the tuples are kept as they are). The dict does not depend on how optim stacks parameters
+    state its rule's `init` returns, with its named fields: Adam's `AdamState(mu, nu, bt)`, Adafactor's dict,
+    `None` for `Descent`, ... (a checkpointer writes them by name: `.../emb/mu`). A tree holding plain tuples or
+    lists in their place (state dicts saved before states were named) loads too. The dict does not depend on how
+    optim stacks parameters
     (grouping thresholds, placement), so a dict saved by one version or configuration loads into another.
     Not in it: the rules and their hyperparameters, the tie map, the frozen flags; `load_state_dict` takes
     them from its `like_state`.
@@ -55,8 +57,8 @@ def state_dict(state: State) -> dict:
     >>> tree = optim.state_dict(state)
     >>> sorted(tree["params"]), int(tree["step"])
     (['bias', 'emb'], 1)
-    >>> jax.tree.map(jnp.shape, tree["params"]["emb"])         # Adam's (m, v, beta powers), as its init makes it
-    ((3,), (3,), (2,))
+    >>> jax.tree.map(jnp.shape, tree["params"]["emb"])         # Adam's state, as its init makes it
+    AdamState(mu=(3,), nu=(3,), bt=(2,))
     """
     if not isinstance(state, State):
         raise TypeError(f"state_dict: expected the State from optim.setup, got {type(state).__name__}")
@@ -206,22 +208,41 @@ def _member_abstract(state: State, g: int) -> tuple[Any, list[tuple]]:
 
 def _state_leaves(s: Any, like_def: Any, path: str, like: State, u: int) -> list:
     """The leaves of one parameter's state in the tree, which must have like_def's structure: the same key
-    paths (a list where like has a tuple is fine: its containers come from like)."""
+    paths, by name or by position (a list where like has a tuple is fine, and a plain tuple or list where like
+    has a named tuple, as state dicts held before states were named: the containers come from like)."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(s)
     if treedef == like_def:
         return [a for _, a in pairs]
-    want = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(like_def.unflatten([0] * like_def.num_leaves))[0]]
-    if [_plain(kp) for kp, _ in pairs] != [_plain(kp) for kp in want]:
-        rule = unwrap(like.rules[like.layout.params[u].rule])
-        raise ValueError(f"load_state_dict: the optimiser state of {show(path)} has another structure: the tree has "
-                         f"{treedef}, like_state's (rule {rule!r}) has {like_def}")
-    return [a for _, a in pairs]
+    template = like_def.unflatten([0] * like_def.num_leaves)
+    got = {_plain(kp): a for kp, a in pairs}        # by key: a dict flattens its keys sorted, a named tuple not
+    for t in (template, _untuple(template)):
+        want = [_plain(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+        if len(got) == len(pairs) and sorted(got, key=repr) == sorted(want, key=repr):
+            return [got[k] for k in want]
+    rule = unwrap(like.rules[like.layout.params[u].rule])
+    raise ValueError(f"load_state_dict: the optimiser state of {show(path)} has another structure: the tree has "
+                     f"{treedef}, like_state's (rule {rule!r}) has {like_def}")
 
 
 def _plain(keypath: tuple) -> tuple:
-    """A key path with sequence indices and flattened-index keys alike (a tuple, a list)."""
+    """A key path with sequence indices and flattened-index keys alike (a tuple, a list), and a named tuple's
+    field like a dict's key of that name (a checkpointer may restore one as the other)."""
     return tuple(("#", k.idx) if isinstance(k, jax.tree_util.SequenceKey) else
-                 ("#", k.key) if isinstance(k, jax.tree_util.FlattenedIndexKey) else k for k in keypath)
+                 ("#", k.key) if isinstance(k, jax.tree_util.FlattenedIndexKey) else
+                 (".", k.name) if isinstance(k, jax.tree_util.GetAttrKey) else
+                 (".", k.key) if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str) else k
+                 for k in keypath)
+
+
+def _untuple(t: Any) -> Any:
+    """`t` with every named tuple a plain tuple (the positional form of a state)."""
+    if isinstance(t, tuple):
+        return tuple(_untuple(v) for v in t)
+    if isinstance(t, list):
+        return [_untuple(v) for v in t]
+    if isinstance(t, dict):
+        return {k: _untuple(v) for k, v in t.items()}
+    return t
 
 
 def _leaf_name(treedef: Any, j: int) -> str:

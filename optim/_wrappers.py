@@ -9,7 +9,7 @@ per-parameter `apply` is `apply_one`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,27 @@ def _gate(new: Any, old: Any, ok: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- composition
+# Named states of the wrappers (tuples with names: `state["w"].state.inner`, keyed by name in `state_dict`).
+class AccumGradState(NamedTuple):
+    acc: Any             # the mean of the gradients so far
+    k: Any               # the number of the current call in the cycle, int32, 1 to n
+
+
+class MixedPrecisionState(NamedTuple):
+    master: Any          # the high-precision master copy of the parameter
+    inner: Any           # the wrapped rule's state
+
+
+class SkipNonFiniteState(NamedTuple):
+    inner: Any
+    skipped: Any         # the number of skipped steps, int32
+
+
+class SkipLargeUpdatesState(NamedTuple):
+    inner: Any
+    stats: Any           # the running statistics of the norms: {"count", "mean", "var", "skipped"}
+
+
 class OptimiserChain(Rule):
     """Apply rules in sequence, each to the previous one's step: `OptimiserChain(ClipGrad(1), Adam())`.
 
@@ -123,7 +144,7 @@ class AccumGrad(Rule):
     Args:
         n: the number of calls per step, default 1, an integer >= 1 (adjustable; stays an integer).
 
-    State: `(acc, k)`: the mean so far (parameter dtype) and the number of the current call in the cycle
+    State: `AccumGradState(acc, k)`: the mean so far (parameter dtype) and the number of the current call in the cycle
     (int32, 1 to n).
 
     >>> import jax.numpy as jnp, optim
@@ -141,14 +162,14 @@ class AccumGrad(Rule):
     _counts = ("n",)
 
     def init(self, x):
-        return jnp.zeros_like(x), jnp.ones((), jnp.int32)
+        return AccumGradState(jnp.zeros_like(x), jnp.ones((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
         acc, k = state
         n = jnp.asarray(self.n, jnp.int32)
         acc = jnp.where(k == 1, dx / n.astype(x.dtype), acc + dx / n.astype(x.dtype))
         done = k >= n
-        return (acc, jnp.where(done, 1, k + 1)), Gated(acc, done)
+        return AccumGradState(acc, jnp.where(done, 1, k + 1)), Gated(acc, done)
 
 
 class MixedPrecision(Rule):
@@ -161,7 +182,8 @@ class MixedPrecision(Rule):
             `MixedPrecision(rule)`.
         rule: the rule to run on the master copy (required).
 
-    State: `(master, inner)`: the master copy of the parameter (in `dtype`) and `rule`'s state for it.
+    State: `MixedPrecisionState(master, inner)`: the master copy of the parameter (in `dtype`) and `rule`'s state
+    for it.
 
     Reference: P. Micikevicius et al., "Mixed Precision Training", 2017, https://arxiv.org/abs/1710.03740
 
@@ -190,7 +212,7 @@ class MixedPrecision(Rule):
 
     def init(self, x):
         xt = x.astype(self.dtype)
-        return xt, self.rule.init(xt)
+        return MixedPrecisionState(xt, self.rule.init(xt))
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
@@ -200,7 +222,7 @@ class MixedPrecision(Rule):
         inner, steps = apply_all(self.rule, [s[1] for s in states], masters,
                                  [tuple(d.astype(self.dtype) for d in ds) for ds in dxs])
         new_masters = [apply_step(m, st) for m, st in zip(masters, steps)]
-        return ([(m, st) for m, st in zip(new_masters, inner)],
+        return ([MixedPrecisionState(m, st) for m, st in zip(new_masters, inner)],
                 [Replace(m.astype(x.dtype)) for m, x in zip(new_masters, xs)])
 
     def average(self, state, x):
@@ -266,7 +288,7 @@ class SkipNonFinite(Rule):
     Args:
         rule: the rule to run when every gradient is finite (required).
 
-    State: `(inner, skipped)`: `rule`'s state and the number of skipped steps (int32, starting at 0).
+    State: `SkipNonFiniteState(inner, skipped)`: `rule`'s state and the number of skipped steps (int32, starting at 0).
 
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.ones(2)}
@@ -281,7 +303,7 @@ class SkipNonFinite(Rule):
         object.__setattr__(self, "rule", rule)
 
     def init(self, x):
-        return self.rule.init(x), jnp.zeros((), jnp.int32)
+        return SkipNonFiniteState(self.rule.init(x), jnp.zeros((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
@@ -289,7 +311,8 @@ class SkipNonFinite(Rule):
     def apply_tree(self, states, xs, dxs):
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for ds in dxs for d in ds]))
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
-        new = [(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32)) for st, s in zip(inner, states)]
+        new = [SkipNonFiniteState(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32))
+               for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st, ok) for st in steps]
 
     def average(self, state, x):
@@ -337,10 +360,10 @@ class SkipLargeUpdates(Rule):
         norm_decay: β, default 0.99, in [0, 1) (adjustable): the statistics weigh the norm of k steps ago by
             `β^k`, about the last `1 / (1 - β)` steps.
 
-    State: `(inner, stats)`: `rule`'s state and a dict of 0-d arrays: `"count"` (n, int32), `"mean"` (μ,
-    float32), `"var"` (v, float32) and `"skipped"` (the number of skipped steps, int32). Every parameter that
-    shares the rule holds the same statistics (one whose gradient was `None` keeps older ones; the step uses
-    those of the parameter that has seen the most steps).
+    State: `SkipLargeUpdatesState(inner, stats)`: `rule`'s state and a dict of 0-d arrays: `"count"` (n, int32),
+    `"mean"` (μ, float32), `"var"` (v, float32) and `"skipped"` (the number of skipped steps, int32). Every
+    parameter that shares the rule holds the same statistics (one whose gradient was `None` keeps older ones; the
+    step uses those of the parameter that has seen the most steps).
 
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.zeros(2)}
@@ -376,7 +399,7 @@ class SkipLargeUpdates(Rule):
     def init(self, x):
         stats = {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros((), jnp.float32),
                  "var": jnp.zeros((), jnp.float32), "skipped": jnp.zeros((), jnp.int32)}
-        return self.rule.init(x), stats
+        return SkipLargeUpdatesState(self.rule.init(x), stats)
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
@@ -414,7 +437,7 @@ class SkipLargeUpdates(Rule):
         }
 
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
-        new = [(_gate(st, s[0], ok),
+        new = [SkipLargeUpdatesState(_gate(st, s[0], ok),
                 {k: jnp.broadcast_to(v.astype(s[1][k].dtype), jnp.shape(s[1][k])) for k, v in new_stats.items()})
                for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st.step, st.ok & ok) if isinstance(st, Gated) else Gated(st, ok)

@@ -708,6 +708,10 @@ def test_file_written_before_float_hyperparameters_loads():
     assert state.ties() == {"emb": ("head",)} and int(state.step) == 3 and model["n"] == 3
     inner = state.rule.rule.rules
     assert inner[0].max_norm.dtype == jnp.float32 and inner[1].lr.schedules[0].start.dtype == jnp.float32
+    # written when states were plain tuples: loaded as the named states of today
+    emb = state["emb"].state
+    assert type(emb).__name__ == "SkipNonFiniteState" and type(emb.inner[1]).__name__ == "AdamState"
+    assert emb.inner[1].mu.shape == (2, 3) and emb.inner[1].bt.shape == (2,) and int(emb.skipped) == 0
     g = {"emb": jnp.ones((2, 3)), "head": jnp.ones((2, 3)), "b": jnp.ones(3), "n": None}
     state, model = optim.update(state, model, g)
     # printed by the old code for the same step (repr of float32 values as Python floats)

@@ -89,7 +89,7 @@ def test_recipe_muon_for_matrices(capsys):
     assert {p: type(leaf.rule).__name__ for p, leaf in same.items()} == want
     assert state.ties() == {"embed": ("head",)}
     np.testing.assert_array_equal(model["embed"], model["head"])       # still one parameter's value
-    assert int(state["blocks.0.w"].state["count"]) == 50
+    assert int(state["blocks.0.w"].state.count) == 50
     out = capsys.readouterr().out
     assert "'blocks.0.w': 'Muon'" in out
     before, after = (float(v) for v in out.strip().splitlines()[-1].split(" -> "))

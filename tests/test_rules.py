@@ -1063,7 +1063,7 @@ def test_muon_bfloat16_momentum_matches_optax_mu_dtype():
     rng = np.random.default_rng(4)
     model = {"w": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}
     state = optim.setup(O.Muon(0.05, mu_dtype=jnp.bfloat16), model)
-    assert state["w"].state["mu"].dtype == jnp.bfloat16
+    assert state["w"].state.mu.dtype == jnp.bfloat16
     tx = optax.contrib.muon(0.05, beta=jnp.float32(0.95), mu_dtype=jnp.bfloat16)
     p, s = dict(model), tx.init(model)
     ostep = _optax_step(tx)
@@ -1072,7 +1072,7 @@ def test_muon_bfloat16_momentum_matches_optax_mu_dtype():
         state, model = optim.update(state, model, g)
         p, s = ostep(p, s, g)
         close(model["w"], p["w"], rtol=1e-5, atol=1e-6, err_msg=f"step {t + 1}")
-    close(state["w"].state["mu"].astype(jnp.float32), s.inner_states["muon"].inner_state[0].mu["w"]
+    close(state["w"].state.mu.astype(jnp.float32), s.inner_states["muon"].inner_state[0].mu["w"]
           .astype(jnp.float32), rtol=0, atol=0)
 
 
