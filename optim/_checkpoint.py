@@ -27,6 +27,7 @@ previous checkpoint or the new one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -479,8 +480,9 @@ class _Plan:
             owner[i] = where
         self._rule(sp["rule"], self.like.rules[lp.rule], where)
         self._state(sp, u, where)
-        return Param(lay.index[sp["canonical"]], tuple(members), shape, dtype, sp["rule"], tuple(transforms),
-                     lp.place)
+        # like='s parameter with the file's tie group and rule index: its placement and requested state sharding
+        return dataclasses.replace(lp, canonical=lay.index[sp["canonical"]], members=tuple(members), rule=sp["rule"],
+                                   transforms=tuple(transforms))
 
     def _member(self, path: str, shape: tuple, dtype: np.dtype, where: str) -> int:
         """A position the file ties to the parameter at `where`: a trainable leaf of like= of its shape and dtype."""
@@ -519,7 +521,7 @@ class _Plan:
     def _state(self, sp: dict, u: int, where: str) -> None:
         """A parameter's optimiser state: like='s structure, the file's arrays (checked for shape and dtype)."""
         like_leaves, like_def = jax.tree_util.tree_flatten(self.like.param_state(u))
-        if _signature(like_def) != sp["state_structure"] or len(like_leaves) != len(sp["state"]):
+        if not _same_state_structure(sp["state_structure"], like_def) or len(like_leaves) != len(sp["state"]):
             like_rule = self.like.rules[self.like.layout.params[u].rule]
             raise _Mismatch(f"the optimiser state of {where} has another structure: the checkpoint's rule is "
                             f"{self.meta['rules'][sp['rule']]['repr']}, like='s is {_rule_repr(like_rule)}")
@@ -633,7 +635,7 @@ class _Plan:
         rules = tuple(jax.tree_util.tree_unflatten(td, [_widen(v.value, x) for v, x in zip(vs, xs)])
                       for (td, vs), (_, _, xs) in zip(rule_parts, self.rules))
         states = [jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts]
-        step = jnp.asarray(arrays[self.meta["step"]["array"]], jnp.int32)
+        step = _place_like(jnp.asarray(arrays[self.meta["step"]["array"]], jnp.int32), self.like.step)
         state = State.of_params(self.layout, rules, states, step)
         if self.layout == self.like.layout:     # stacks go where like='s are (the same shardings, spelled alike)
             state = State(self.layout, rules, jax.tree.map(_place_like, state.stacks, self.like.stacks), step)
@@ -832,7 +834,8 @@ def _signature(treedef) -> list[str]:
     return hit
 
 
-def _walk(treedef) -> list[str]:
+def _walk(treedef, untuple: bool = False) -> list[str]:
+    """The signature of `treedef`; with `untuple`, a named tuple's node reads as a plain tuple's."""
     out: list[str] = []
 
     def walk(td):
@@ -841,12 +844,22 @@ def _walk(treedef) -> list[str]:
             out.append("*")
             return
         typ, aux = data
+        if untuple and issubclass(typ, tuple) and hasattr(typ, "_fields"):
+            typ = tuple
         out.append(typ.__qualname__ if aux is None else f"{typ.__qualname__}[{_clean(repr(aux))}]")
         for child in td.children():
             walk(child)
 
     walk(treedef)
     return out
+
+
+def _same_state_structure(saved: list[str], treedef: Any) -> bool:
+    """Whether a saved optimiser state's signature is `treedef`'s. Rule states were plain tuples before they were
+    named (`AdamState(mu, nu, bt)`): a saved `tuple` node matches a named tuple's node (its arity is the type's),
+    so those files still load."""
+    like = _signature(treedef)
+    return saved == like or saved == _walk(treedef, untuple=True)
 
 
 def _same_rule_structure(saved: list[str], rule: Any) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
 
 
 def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,
-          like: State | None = None) -> State:
+          like: State | None = None, state_sharding: Callable[[str, Any], Any] | None = None) -> State:
     """Initialise optimiser state for every trainable leaf of `model`.
 
     Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group).
@@ -102,6 +102,27 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     must get the same rule). `like=old_state` keeps the optimiser state of every parameter whose canonical path,
     shape, dtype and state structure still match, for a model that grew or shrank (new parameters start fresh).
 
+    `state_sharding=fn` places the optimiser state apart from the parameters (ZeRO-1: replicated parameters,
+    moments sharded over the data axis). `fn(path, x)` is called once per parameter (tie group) with its
+    canonical dotted path and array, and returns a `jax.sharding.NamedSharding` (or `SingleDeviceSharding`) for
+    that parameter's state arrays, or None for the default (the state lives like the parameter). The state arrays
+    of the parameter's shape (Adam's m and v, ...) get that sharding; the rule's other state arrays (Adam's β
+    powers, Adafactor's factored row / column statistics, counters) are replicated over the same mesh: they are
+    small, and their axes are not the parameter's. `update`, eager or inside your `jit`, keeps the new state on
+    these shardings and the parameters on the shardings they had at `setup` (each step then all-gathers the
+    updated parameters: the price of sharded state with replicated parameters). A `fn` that is not callable, a
+    result that is not such a sharding, or a sharding that cannot shard the parameter's shape (a spec longer than
+    its rank, a dimension the mesh axes do not divide evenly) raise `TypeError` / `ValueError` naming the path,
+    before any state is made.
+
+    Same-shaped parameters are stacked into one array per state field with a leading member axis (see the
+    README's Performance section). A stack is sharded on the parameter's axes, never on the member axis: a
+    member's `P(*spec)` becomes the stack's `P(None, *spec)`, so each device holds its slice of every member, as
+    `fn` asked, and a member's state stays where it is when `adjust` or `freeze` regroups the stacks (the member
+    axis's length depends on optim's grouping thresholds, so a sharding on it could not be what `fn` meant).
+    Only parameters with equal state shardings share a stack; parameters given different ones are stacked
+    apart.
+
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.ones(3)
     >>> state = optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "step": 0})
@@ -111,6 +132,14 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     ...                     {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
     >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
     ('Muon', 'AdamW')
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))     # ZeRO-1 over the data axis (here one device)
+    >>> zero1 = lambda path, x: NamedSharding(mesh, P("data")) if x.ndim else None
+    >>> state = optim.setup(optim.Adam(0.1), {"w": jnp.ones((4, 2)), "gain": jnp.ones(())}, state_sharding=zero1)
+    >>> m, v, beta = state["w"].state            # Adam's moments where fn says, the β powers replicated
+    >>> m.sharding.is_equivalent_to(zero1("w", m), m.ndim), beta.sharding.is_fully_replicated
+    (True, True)
     """
     if not is_rule(rule) and not callable(rule) and not isinstance(rule, by_path):
         raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")
@@ -137,8 +166,10 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
         warnings.warn("optim.setup found no trainable leaves (floating or complex arrays) in the model",
                       stacklevel=2)
     rules, rule_of = _choose_rules(rule, groups, paths, leaves)
+    shardings = _state_shardings(state_sharding, groups, paths, leaves)
     params = tuple(Param(c, members, tuple(leaves[c].shape), canonical_dtype(leaves[c].dtype), rule_of[c],
-                         transforms.get(c, ()), placement(leaves[c])) for c, members in groups.items())
+                         transforms.get(c, ()), placement(leaves[c]), shardings.get(c))
+                   for c, members in groups.items())
     layout = Layout(treedef, params, (False,) * len(params))
     if paths.computed is not None:
         layout.__dict__["paths"] = paths.computed
@@ -146,11 +177,58 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     cache: dict = {}
     stacks = tuple(init_stack(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
                               lambda g=g: paths[params[g[0]].canonical], cache,
-                              local=not traced and params[g[0]].place is None) for g in layout.stacks)
-    state = State(layout, rules, stacks, jnp.zeros((), jnp.int32))
+                              local=not traced and params[g[0]].place is None,
+                              sharding=params[g[0]].state_place) for g in layout.stacks)
+    state = State(layout, rules, stacks, _step_counter(params, traced))
     if like is not None:
         state = _keep_matching(like, state)
     return state
+
+
+def _step_counter(params: tuple, traced: bool) -> jax.Array:
+    """The step counter, 0: replicated over the mesh of the parameters (or of their state) when they are sharded,
+    like the other small state arrays. A restore target built from this state (orbax) then puts the counter
+    where a jitted step over that mesh accepts it; one committed to a single device would be refused."""
+    if not traced:
+        for p in params:
+            s = p.state_place if p.state_place is not None else p.place
+            if isinstance(s, jax.sharding.NamedSharding):
+                replicated = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+                return jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    return jnp.zeros((), jnp.int32)
+
+
+def _state_shardings(fn: Any, groups: dict, paths: Any, leaves: list) -> dict:
+    """`setup(..., state_sharding=fn)`: `{canonical position: sharding}` for the parameters `fn` places, each
+    checked against its parameter's shape (see `setup`)."""
+    if fn is None:
+        return {}
+    if not callable(fn):
+        raise TypeError(f"setup: state_sharding= takes a function (path, array) -> jax.sharding.Sharding or None, "
+                        f"got {type(fn).__name__} {fn!r}")
+    out = {}
+    for c in groups:
+        x = leaves[c]
+        s = fn(paths[c], x)
+        if s is None:
+            continue
+        if not isinstance(s, jax.sharding.Sharding):
+            hint = (" (a PartitionSpec says how, not over which devices: wrap it, NamedSharding(mesh, spec))"
+                    if isinstance(s, jax.sharding.PartitionSpec) else "")
+            raise TypeError(f"setup: state_sharding returned {s!r} for {show(paths[c])}{hint}; it must return a "
+                            "jax.sharding.Sharding (e.g. NamedSharding(mesh, P('data'))) or None")
+        if not isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+            raise TypeError(f"setup: state_sharding returned a {type(s).__name__} for {show(paths[c])}; optim places "
+                            "stacked state from a NamedSharding or a SingleDeviceSharding: use one of those")
+        shape = tuple(np.shape(x))
+        try:
+            s.check_compatible_aval(shape)
+            s.shard_shape(shape)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"setup: state_sharding gives {show(paths[c])} ({describe(x)}) the sharding {s}, which "
+                             f"cannot shard that shape: {e}") from None
+        out[c] = s
+    return out
 
 
 def _check_ties_form(ties: Any) -> None:

@@ -28,15 +28,16 @@ STACK_MAX_MEMBERS = 64
 
 
 def make_stacks(params: tuple) -> tuple[tuple[int, ...], ...]:
-    """Partition parameter indices into stacks: same rule, shape, dtype and placement; small ones
-    together (at most `STACK_MAX_MEMBERS`), large ones alone. Deterministic, in parameter order."""
+    """Partition parameter indices into stacks: same rule, shape, dtype, placement and requested state sharding
+    (`setup(..., state_sharding=fn)`); small ones together (at most `STACK_MAX_MEMBERS`), large ones alone.
+    Deterministic, in parameter order."""
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):
         if math.prod(p.shape) > STACK_MAX_SIZE:
             out.append([u])
             continue
-        key = (p.rule, p.shape, p.dtype, p.place)
+        key = (p.rule, p.shape, p.dtype, p.place, p.state_place)
         g = by_key.get(key)
         if g is None or len(g) >= STACK_MAX_MEMBERS:
             g = by_key[key] = []
@@ -46,7 +47,7 @@ def make_stacks(params: tuple) -> tuple[tuple[int, ...], ...]:
 
 
 def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,
-               local: bool | None = None) -> Any:
+               local: bool | None = None, sharding: Any = None) -> Any:
     """The initial state of one stack: `rule.init` of each of `xs`, stacked on a new leading axis.
 
     An init that does not read the parameter's values (zeros, constants: every built-in rule but
@@ -56,8 +57,18 @@ def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
     Parameters that are not numpy or single-device arrays (sharded, traced) get a jitted, vmapped init that
     creates the state where the parameters live. `local` says whether all of `xs` are host or default-device
     arrays, when the caller knows (it costs a few microseconds per array to find out).
+
+    `sharding` (from `setup(..., state_sharding=fn)`) is the sharding requested for one parameter's state
+    arrays: the stack's arrays of the parameters' shape get it with an unsharded leading member axis, the others
+    are replicated over the same devices (`stack_shardings`). A host-made initial state is then put there with
+    `jax.device_put` (no compiling); an init that reads the parameters runs jitted into those shardings.
     """
     try:
+        if sharding is not None:
+            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache)
+            if proto is not None:
+                return place_stack(stack_states([proto] * len(xs)), sharding, tuple(xs[0].shape))
+            return _placed_init(rule, xs, sharding)
         if local if local is not None else all(_local(x) for x in xs):
             proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache)
             if proto is not None:
@@ -113,34 +124,93 @@ def stack_arrays(xs: list) -> jax.Array:
     return jnp.stack([jnp.asarray(x) for x in xs])
 
 
-def _placed_init(rule: Any, xs: list) -> Any:
+def _placed_init(rule: Any, xs: list, sharding: Any = None) -> Any:
     """The state of a stack placed like `xs[0]` from the vmapped `rule.init`, creating every state
     array where it will be used: arrays with the stacked parameters' shape get their sharding (FSDP / ZeRO:
     each device holds the state of its own shard), the rest (Adam's beta powers) are replicated over the same
     devices. Jitted, so a sharded parameter's state is never materialised whole on one device, and the
     parameters are stacked only for an init that reads them. An init that cannot be traced (it reads concrete
-    values) runs per parameter, eagerly."""
+    values) runs per parameter, eagerly (and is then put where `sharding` says, when given). `sharding`: the
+    requested sharding of one parameter's state (`setup(..., state_sharding=fn)`), in place of `xs[0]`'s."""
     batched = jax.vmap(rule.init)
     x = xs[0]
-    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = jax.sharding.PartitionSpec(None, *sharding.spec)
-        stacked = jax.sharding.NamedSharding(sharding.mesh, spec)
-        rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        stacked = rep = sharding
-    else:
+    requested = sharding
+    if sharding is None:
+        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    places = stack_shardings(sharding)
+    if places is None:
         return batched(stack_arrays(xs))
+    stacked, rep = places
     shape = (len(xs),) + tuple(x.shape)
     abstract = jax.ShapeDtypeStruct(shape, x.dtype)
     try:
         shapes = jax.eval_shape(batched, abstract)
     except Exception:   # e.g. converts x to numpy: not traceable
-        return stack_states([rule.init(a) for a in xs])
+        return place_stack(stack_states([rule.init(a) for a in xs]), requested, tuple(x.shape))
     place = jax.tree.map(lambda s: stacked if s.shape == shape else rep, shapes)
     if reads_nothing(batched, abstract):
         return jax.jit(lambda: batched(jnp.zeros(shape, x.dtype)), out_shardings=place)()
     return jax.jit(batched, out_shardings=place)(stack_arrays(xs))
+
+
+def stack_shardings(sharding: Any) -> tuple[Any, Any] | None:
+    """For one parameter's state `sharding`: (the sharding of a stack's arrays of the parameters' shape, that of
+    its other arrays). A `NamedSharding` P(*spec) gives P(None, *spec): the stack is sharded on the parameter's
+    axes, never on its member axis (whose length depends on optim's grouping), and the other arrays (Adam's β
+    powers, factored statistics, counters) are replicated over the same mesh. A single device holds both. None
+    for anything else."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        P = jax.sharding.PartitionSpec   # noqa: N806
+        mesh, kind = sharding.mesh, sharding.memory_kind
+        return (jax.sharding.NamedSharding(mesh, P(None, *sharding.spec), memory_kind=kind),
+                jax.sharding.NamedSharding(mesh, P(), memory_kind=kind))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding, sharding
+    return None
+
+
+def place_stack(tree: Any, sharding: Any, shape: tuple) -> Any:
+    """A stack's state arrays put where `stack_shardings(sharding)` says (no-op for None, for traced arrays and
+    for arrays already there). `shape`: one parameter's shape."""
+    places = None if sharding is None else stack_shardings(sharding)
+    if places is None:
+        return tree
+    stacked, rep = places
+
+    def put(a: Any) -> Any:
+        if isinstance(a, jax.core.Tracer) or not hasattr(a, "shape"):
+            return a
+        want = stacked if tuple(a.shape[1:]) == shape and a.ndim == len(shape) + 1 else rep
+        if isinstance(a, jax.Array) and (a.sharding is want or a.sharding.is_equivalent_to(want, a.ndim)):
+            return a
+        return jax.device_put(a, want)
+
+    return jax.tree.map(put, tree)
+
+
+def constrain_stack(tree: Any, sharding: Any, shape: tuple) -> Any:
+    """Inside a traced step: a stack's new state arrays constrained to `stack_shardings(sharding)`, so XLA keeps
+    the requested state sharding however it propagates the arithmetic (see `constrain`)."""
+    places = None if sharding is None else stack_shardings(sharding)
+    if places is None or not isinstance(sharding, jax.sharding.NamedSharding):
+        return tree
+    stacked, rep = places
+    return jax.tree.map(lambda a: constrain(a, stacked if tuple(a.shape[1:]) == shape and a.ndim == len(shape) + 1
+                                            else rep), tree)
+
+
+def constrain(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` constrained to a `NamedSharding` inside a traced function: `jax.sharding.reshard` on a mesh with
+    `Explicit` axes (where the sharding is part of the array's type, and `with_sharding_constraint` refuses
+    them), else `jax.lax.with_sharding_constraint`. Anything but a NamedSharding: `x` unchanged."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return x
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    named = [a for d in sharding.spec if d is not None for a in (d if isinstance(d, tuple) else (d,))]
+    explicit = jax.sharding.AxisType.Explicit
+    if any(types[a] == explicit for a in named) or (not named and explicit in types.values()):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _local(x: Any) -> bool:

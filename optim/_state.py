@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._stack import make_stacks, row_index, stack_states
+from ._stack import make_stacks, place_stack, row_index, stack_states
 from ._tree import describe, flatten, match_positions, show, suggest, unique_index
 
 
@@ -49,6 +49,10 @@ class Param:
     # Where the parameter lives when it is not an ordinary single-device array (its sharding): only parameters
     # placed alike are stacked together. Not part of equality: the layout compares its stacks instead.
     place: Any = dataclasses.field(default=None, compare=False)
+    # The sharding requested for this parameter's optimiser-state arrays (`setup(..., state_sharding=fn)`), or
+    # None: like the parameter. Part of equality: `update` constrains the new state to it (`_update._core`), so
+    # states that differ here must not share a compiled program. Parameters are stacked only with equal ones.
+    state_place: Any = None
 
     def __post_init__(self):
         if self.transforms:      # given as plain 4-tuples (e.g. by a checkpoint): named
@@ -190,7 +194,9 @@ class State:
     @classmethod
     def of_params(cls, layout: Layout, rules: tuple, states: list, step: Any) -> "State":
         """A state from one optimiser state per parameter (in `layout.params` order), stacked per stack."""
-        return cls(layout, rules, tuple(stack_states([states[u] for u in g]) for g in layout.stacks), step)
+        self = cls(layout, rules, (), step)
+        self.stacks = tuple(self._placed(k, stack_states([states[u] for u in g])) for k, g in enumerate(layout.stacks))
+        return self
 
     def param_state(self, u: int) -> Any:
         """The optimiser state of parameter `u`: its row of its stack (numpy stays numpy). A state
@@ -212,8 +218,15 @@ class State:
         stacks = list(self.stacks)
         for g in sorted({self.layout.slot[u][0] for u in new}):
             stack = self.layout.stacks[g]
-            stacks[g] = stack_states([new[u] if u in new else self.param_state(u) for u in stack])
+            stacks[g] = self._placed(g, stack_states([new[u] if u in new else self.param_state(u) for u in stack]))
         return State(self.layout, self.rules, tuple(stacks), self.step)
+
+    def _placed(self, g: int, stack: Any, layout: Layout | None = None) -> Any:
+        """Stack `g` (of `layout`, by default this state's) put on its requested state sharding, if it has one
+        (`setup(..., state_sharding=fn)`): a restacked state keeps the placement `setup` gave it."""
+        lay = layout or self.layout
+        p = lay.params[lay.stacks[g][0]]
+        return place_stack(stack, p.state_place, p.shape) if p.state_place is not None else stack
 
     def regroup(self, layout: Layout, rules: tuple) -> "State":
         """This state with `rules` under `layout`, which has the same parameters in the same order but may
@@ -237,8 +250,8 @@ class State:
             treedef = jax.tree.structure(self.stacks[runs[0][0]])
             nd = _member_ndims(self, stack[0], treedef)
             columns = zip(*[jax.tree.leaves(self.stacks[g]) for g, _ in runs])
-            stacks.append(treedef.unflatten([_gather(col, [rows for _, rows in runs], nd[c])
-                                             for c, col in enumerate(columns)]))
+            stacks.append(self._placed(len(stacks), treedef.unflatten(
+                [_gather(col, [rows for _, rows in runs], nd[c]) for c, col in enumerate(columns)]), layout))
         return State(layout, rules, tuple(stacks), self.step)
 
     def tree_flatten_with_keys(self):

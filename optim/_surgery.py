@@ -6,6 +6,7 @@ rest of gradual unfreezing and head replacement (Optimisers.jl #163 and its tied
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 
 from ._adjust import select
 from ._stack import init_stack, reads_nothing
-from ._state import Layout, Param, PathError, State, unwrap
+from ._state import Layout, PathError, State, unwrap
 from ._tree import PyTree, _key_name, show
 from ._update import flatten_like
 
@@ -83,7 +84,7 @@ def subtree(state: State, path: str) -> State:
                 raise ValueError(f"subtree: {show(lay.paths[p.transforms[0].position])} is tied through a function to "
                                  f"{show(lay.paths[p.canonical])}, outside {show(path)}")
             continue
-        params.append(Param(members[0], members, p.shape, p.dtype, p.rule, transforms, p.place))
+        params.append(dataclasses.replace(p, canonical=members[0], members=members, transforms=transforms))
         leaves.append(state.param_state(u))
         frozen.append(lay.frozen[u])
     return State.of_params(Layout(sub_treedef, tuple(params), tuple(frozen)), state.rules, leaves, state.step)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._schedules import resolve
-from ._stack import put_rows, stack_arrays, take_rows
+from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
 from ._step import apply_all, apply_step, step_row, sum_squares
 from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
@@ -375,6 +375,12 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
     for u, x in zip(prog.graded, params):
         _check_param(x, lay, lay.params[u].canonical)
     summed = _sums(prog, params, grads)
+    for a, u in enumerate(prog.graded):
+        # A requested state sharding (setup's state_sharding=): the summed gradients are pinned to the parameter's
+        # own sharding (replicated, for ZeRO-1), so that the sharded state does not propagate back into the
+        # caller's forward and backward passes (with Auto mesh axes XLA would otherwise repartition them).
+        if lay.params[u].state_place is not None:
+            summed[a] = tuple(constrain(g, lay.params[u].place) for g in summed[a])
     rules = resolve(tuple(unwrap(r) for r in rules), step)
     by_rule: dict[int, list[int]] = {}
     for j, g in enumerate(prog.step_stacks):
@@ -397,10 +403,19 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
             rows, gi, ai = prog.stack_plan[j]
             n = len(lay.stacks[prog.step_stacks[j]])
             new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, old), n)
+            # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
+            # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
+            # requested sharding and the parameters to the sharding they had at setup (an all-gather per
+            # parameter for ZeRO-1).
+            first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
+            if first.state_place is not None:
+                new_stacks[j] = constrain_stack(new_stacks[j], first.state_place, first.shape)
             for m, (i, a) in enumerate(zip(gi, ai)):
                 # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
                 # update into one kernel per leaf that writes the new parameter directly.
                 new_params[a] = apply_step(params[i], step_row(d, m))
+                if first.state_place is not None:
+                    new_params[a] = constrain(new_params[a], lay.params[prog.stepping[a]].place)
         if want_stats:
             for j, x, dx in zip(js, xs, dxs):
                 # Reductions per stack over its gradients, old and new values (the new ones as written, so the

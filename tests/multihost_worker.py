@@ -229,16 +229,13 @@ def main(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_path
     like, fresh_model = fresh(seed=7)                  # other values: the restore must overwrite all of them
     abstract = jax.eval_shape(lambda s, m: {"model": m, "opt": optim.state_dict(s)}, like, fresh_model)
     concrete = {"model": fresh_model, "opt": optim.state_dict(like)}
-    # Shardings from the fresh arrays, except that `setup` leaves the step counter an uncommitted scalar on this
-    # process's default device (a jitted step returns it replicated): restored with that sharding it would come
-    # back committed to one local device, which a step over the global mesh refuses (JAX's "incompatible devices"
-    # error then names a hyperparameter, not the step counter).
-    # Such leaves are restored replicated over the mesh.
-    replicated = NamedSharding(mesh, P())
+    # The restore target: the fresh arrays' shardings. `setup` replicates the step counter over the parameters'
+    # mesh, so no leaf is left on one device (restored there, it would be committed to it, and a step over the
+    # global mesh would refuse it).
     info["target_single_device"] = [jax.tree_util.keystr(k) for k, c in jax.tree_util.tree_leaves_with_path(concrete)
                                     if len(c.sharding.device_set) == 1]
-    target = jax.tree.map(lambda a, c: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=c.sharding if len(c.sharding.device_set) > 1 else replicated), abstract, concrete)
+    checks["no_single_device_leaf_in_target"] = not info["target_single_device"]
+    target = jax.tree.map(lambda a, c: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=c.sharding), abstract, concrete)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(ckpt, target)
     checks["restored_shardings_are_the_targets"] = all(

@@ -235,6 +235,9 @@ def case_fsdp(ref) -> dict:
     assert model["emb"] is model["head"]
     state = optim.setup(make_rule(), model)
     setup_bad = state_shardings_ok(state, model)
+    # the step counter is replicated over the mesh, so a restore target built from this state puts it there
+    # (one committed to a single device would be refused by a step over the mesh)
+    step_spec = (str(state.step.sharding.spec), state.step.sharding.mesh.shape == mesh.shape)
     by_batch = NamedSharding(mesh, P("data"))
 
     @jax.jit
@@ -248,6 +251,9 @@ def case_fsdp(ref) -> dict:
     # In the whole step, the only all-gathers are those of the forward / backward pass itself.
     step_hlo = step.lower(state, model, batch0).compile().as_text()
     grad_hlo = jax.jit(jax.grad(loss_fn)).lower(model, batch0).compile().as_text()
+    tree = optim.state_dict(state)
+    restored = jax.device_put(jax.device_get(tree), jax.tree.map(lambda a: a.sharding, tree))   # as orbax restores
+    jax.jit(optim.update)(optim.load_state_dict(state, restored), model, grads0)
     # Called eagerly (optim's own jit), update keeps the placement too.
     eager_state, eager_model = optim.update(state, model, grads0)
     eager_bad = state_shardings_ok(eager_state, eager_model)
@@ -264,7 +270,7 @@ def case_fsdp(ref) -> dict:
                      "gain": "P()"}, specs
     after_bad = state_shardings_ok(state, model)
     assert not after_bad, f"update changed the state's sharding: {after_bad}"
-    out.update(setup_unsharded=setup_bad, update_all_gathers=update_hlo.count("all-gather"),
+    out.update(setup_unsharded=setup_bad, step_spec=step_spec, update_all_gathers=update_hlo.count("all-gather"),
                step_all_gathers=step_hlo.count("all-gather"), grad_all_gathers=grad_hlo.count("all-gather"),
                param_specs=specs)
     assert out["update_all_gathers"] == 0, "the compiled update gathers state or parameters"

@@ -153,7 +153,8 @@ def test_training_matches_single_device(records):
 def test_restore_gives_back_the_saved_state_and_relinks_the_tie(records):
     for rec in records:
         assert rec["opt_restored"] == rec["opt_saved"]
-        _checks(rec, "restored_shardings_are_the_targets", "restore_stores_tied_positions_apart", "tie_relinked",
+        _checks(rec, "no_single_device_leaf_in_target", "restored_shardings_are_the_targets",
+                "restore_stores_tied_positions_apart", "tie_relinked",
                 "ties_kept", "opt_state_restored_bitwise", "model_restored_bitwise", "step_restored",
                 "restored_state_placed_like_params", "restored_state_placed_like_fresh")
 

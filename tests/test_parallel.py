@@ -68,6 +68,7 @@ def test_checkpoint_of_sharded_state_loads_onto_the_same_shardings(cases):
 def test_fsdp_setup_places_state_like_params(cases):
     rec = _check(cases, "fsdp")
     assert rec["setup_unsharded"] == []
+    assert rec["step_spec"] == ["P()", True]          # the step counter: replicated over the parameters' mesh
 
 
 def test_parallel_cases_are_quick(cases):

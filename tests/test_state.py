@@ -202,3 +202,69 @@ def test_by_path_exact_path_means_that_path_only():
     assert type(state["w[0]"].rule) is optim.Adam and type(state["w0"].rule) is optim.Descent
     frozen = optim.freeze(optim.setup(optim.Adam(), model), "w[0]")
     assert frozen["w[0]"].frozen and not frozen["w0"].frozen
+
+
+# ------------------------------------------------------------------------ setup(..., state_sharding=fn)
+# The multi-device behaviour (ZeRO-1 on 8 simulated devices, stacks, collectives) is in test_zero1.py; these
+# run on the test process's one device.
+def _mesh1():
+    return jax.make_mesh((1,), ("data",))
+
+
+def test_state_sharding_fn_is_called_once_per_parameter_with_its_canonical_path():
+    calls = []
+
+    def fn(path, x):
+        calls.append((path, tuple(x.shape)))
+        return None
+
+    plain = optim.setup(optim.Adam(1e-3), model())
+    state = optim.setup(optim.Adam(1e-3), model(), state_sharding=fn)
+    assert calls == [("emb", (2, 3)), ("layers.0.b", (1,)), ("layers.0.w", (3,))]   # not 'head' (tied to emb)
+    assert state.layout == plain.layout          # None everywhere: as without state_sharding
+
+
+def test_state_sharding_errors_name_the_path_before_any_state_is_made():
+    inits = []
+
+    class Counting(optim.Descent):
+        def init(self, x):
+            inits.append(x.shape)
+            return super().init(x)
+
+    mesh = _mesh1()
+    P = jax.sharding.PartitionSpec
+    with pytest.raises(TypeError, match="state_sharding= takes a function"):
+        optim.setup(Counting(), model(), state_sharding=jax.sharding.NamedSharding(mesh, P()))
+    with pytest.raises(TypeError, match=r"state_sharding returned .*'data'.* for 'layers.0.w' \(a PartitionSpec"):
+        optim.setup(Counting(), model(), state_sharding=lambda p, x: P("data") if p == "layers.0.w" else None)
+    # a spec longer than the parameter's rank (divisibility: test_zero1, which has 8 devices)
+    with pytest.raises(ValueError, match=r"state_sharding gives 'layers.0.b' \(float32\[1\]\) the sharding .* cannot "
+                                         r"shard that shape.*rank"):
+        optim.setup(Counting(), model(), state_sharding=lambda p, x: jax.sharding.NamedSharding(mesh, P(None, "data")))
+    with pytest.raises(TypeError, match=r"state_sharding returned 3 for 'emb'; it must return a jax.sharding"):
+        optim.setup(Counting(), model(), state_sharding=lambda p, x: 3)
+    assert inits == []
+
+
+def test_state_sharding_places_state_and_update_keeps_it_on_one_device_mesh():
+    mesh = _mesh1()
+    P = jax.sharding.PartitionSpec
+    rep = jax.sharding.NamedSharding(mesh, P())
+    w = jax.device_put(jnp.arange(8.0).reshape(4, 2), rep)
+    m = {"emb": w, "head": w, "b": jax.device_put(jnp.zeros(2), rep)}
+    want = jax.sharding.NamedSharding(mesh, P("data"))
+    state = optim.setup(optim.Adam(0.1), m, state_sharding=lambda p, x: want if x.ndim == 2 else None)
+    mu, nu, beta = state["emb"].state
+    assert mu.sharding.is_equivalent_to(want, 2) and nu.sharding.is_equivalent_to(want, 2)
+    assert beta.sharding.is_fully_replicated and beta.sharding.mesh == mesh
+    assert state.layout != optim.setup(optim.Adam(0.1), m).layout       # never shares a compiled program
+    g = {"emb": jnp.ones((4, 2)), "head": jnp.ones((4, 2)), "b": jnp.ones(2)}
+    s1, m1 = optim.update(state, m, g)
+    s2, m2 = jax.jit(optim.update)(s1, m1, g)
+    for s in (s1, s2):
+        assert s["emb"].state[0].sharding.is_equivalent_to(want, 2)
+    assert m1["emb"] is m1["head"] and m2["emb"].sharding.is_fully_replicated
+    ref_s, ref_m = optim.update(*optim.update(optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "b": jnp.zeros(2)}),
+                                              m, g), g)
+    np.testing.assert_allclose(m2["emb"], ref_m["emb"], rtol=1e-6)
