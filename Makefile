@@ -16,7 +16,7 @@ demo: $(BIN)/python
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	$(BIN)/python -m ruff check optim tests examples bench notebooks
-	$(BIN)/python -m mkdocs build --strict --site-dir build/site   # the docs site (build/ is ignored by git)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site   # the docs site (build/ is ignored by git)
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/python

@@ -115,6 +115,14 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
         if len(mine) == len(us):
             rules[r] = new
         else:
+            across = looks_across(state.rules[r])
+            if across:
+                raise ValueError(
+                    f"adjust: {show(lay.paths[lay.params[mine[0]].canonical])} shares its rule with "
+                    f"{len(us) - len(mine)} parameter(s) that the pattern does not select, and the rule looks across "
+                    f"its parameters ({across}): an adjusted copy for the selected ones would clip or skip them on "
+                    "their own, not with the others. Adjust every parameter of the rule (no pattern), or give the "
+                    "parts rules of their own at setup with optim.by_path if separate norms are what you want")
             for u in mine:
                 rule_of[u] = len(rules)
             rules.append(new)
@@ -127,6 +135,22 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
     if "paths" in lay.__dict__:
         layout.__dict__["paths"] = lay.paths
     return state.regroup(layout, rules)
+
+
+def looks_across(rule: Any) -> str | None:
+    """The name of the first part of `rule` that looks across the parameters sharing it (`ClipGlobalNorm`,
+    `SkipNonFinite`, `SkipLargeUpdates`, a user rule with `apply_tree`), or None. Giving some of those parameters a
+    rule of their own would change what it computes for all of them."""
+    own = getattr(rule, "_across", None)
+    if own or (own is None and hasattr(rule, "apply_tree")):
+        return type(rule).__name__
+    for name in _inner(rule):
+        v = getattr(rule, name)
+        for r in v if isinstance(v, tuple) else (v,):
+            found = looks_across(r)
+            if found:
+                return found
+    return None
 
 
 def _inner(rule: Any) -> list[str]:

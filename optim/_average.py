@@ -54,6 +54,7 @@ class EMA(Rule):
 
     rule: Any = None
     decay: Hyper = 0.999
+    _across = False     # per parameter; its inner rule may look across
     _decay = ("decay",)
 
     def __init__(self, rule: Any, decay: Hyper = 0.999):

@@ -118,6 +118,9 @@ class Rule:
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
     _steps: ClassVar[tuple[str, ...]] = ()    # numbers of steps: integers >= 0, kept integers (a warmup)
     _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
+    # Whether the rule looks across the parameters that share it (`ClipGlobalNorm`: True); None for a rule that
+    # does not say, which counts as True when it has `apply_tree` (see `optim._adjust.looks_across`).
+    _across: ClassVar[bool | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -72,6 +72,7 @@ class OptimiserChain(Rule):
     """
 
     rules: tuple = ()
+    _across = False     # a sequence; its stages may look across
 
     def __init__(self, *rules: Any):
         if len(rules) == 1 and isinstance(rules[0], (list, tuple)):
@@ -199,6 +200,7 @@ class MixedPrecision(Rule):
     dtype: Any = jnp.float32
     rule: Any = None
     _static = ("dtype",)
+    _across = False     # per parameter; its inner rule may look across
 
     def __init__(self, dtype: Any = jnp.float32, rule: Any = None):
         if rule is None and hasattr(dtype, "apply"):
@@ -269,6 +271,7 @@ class ClipGlobalNorm(Rule):
 
     max_norm: Hyper = 1.0
     _nonneg = ("max_norm",)
+    _across = True      # one norm over the parameters that share the rule (see `optim._adjust.looks_across`)
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
@@ -298,6 +301,7 @@ class SkipNonFinite(Rule):
     """
 
     rule: Any = None
+    _across = True      # a NaN anywhere among the rule's parameters skips them all
 
     def __init__(self, rule: Any):
         object.__setattr__(self, "rule", rule)
@@ -388,6 +392,7 @@ class SkipLargeUpdates(Rule):
     _nonneg = ("sigma",)
     _unit = ("norm_decay",)
     _steps = ("warmup",)
+    _across = True      # one norm, and one decision, for the parameters that share the rule
 
     def __init__(self, rule: Any, sigma: Hyper = 6.0, warmup: int | jax.Array = 100, norm_decay: Hyper = 0.99):
         if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))):

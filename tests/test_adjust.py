@@ -368,9 +368,10 @@ def test_adjust_by_path_inside_jit_with_traced_value():
 
 
 def test_adjust_by_path_swaps_a_rule_for_part_of_the_model():
-    """A field holding a rule may be swapped for the selected parameters only, if the state stays the same."""
+    """A field holding a rule may be swapped for the selected parameters only, if the state stays the same (in a
+    wrapper that does not look across parameters: see the test below for SkipNonFinite)."""
     model = _enc_dec()
-    state = optim.setup(optim.SkipNonFinite(optim.Descent(0.1)), model)
+    state = optim.setup(optim.MixedPrecision(optim.Descent(0.1)), model)
     state = optim.adjust(state, "dec", rule=optim.Descent(1.0))
     _, m = optim.update(state, model, _grads(1))
     close(m["dec"]["w"], 2.0 - np.array([-1.0, 2.0, 3.0]))
@@ -446,3 +447,36 @@ def test_adjust_by_path_of_a_field_some_selected_rules_lack_splits_nothing():
     state = optim.setup(optim.by_path({"enc.w": optim.Momentum(0.1), "*": optim.Adam(0.1)}), model)
     out = optim.adjust(state, "enc", rho=0.5)     # enc.b's Adam has no rho: it keeps its shared rule
     assert out.layout is state.layout and float(out["enc.w"].rule.rho) == 0.5
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Descent(1.0)), "ClipGlobalNorm"),
+    (lambda: optim.SkipNonFinite(optim.Adam(0.1)), "SkipNonFinite"),
+    (lambda: optim.EMA(optim.SkipLargeUpdates(optim.Adam(0.1), warmup=2)), "SkipLargeUpdates"),
+])
+def test_per_path_adjust_refuses_to_split_a_rule_that_looks_across_parameters(make, name):
+    """A copy of the rule for some of its parameters would clip (or skip) them apart from the others: refused,
+    before anything changes; adjusting all of them, or a rule that does not look across, is fine."""
+    model = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    state = optim.setup(make(), model)
+    with pytest.raises(ValueError, match=rf"adjust: 'b' shares its rule with 1 parameter.*looks across its "
+                                         rf"parameters \({name}\).*optim.by_path"):
+        optim.adjust(state, "b", lr=0.5)
+    assert len(state.rules) == 1                                       # nothing changed
+    assert len(optim.adjust(state, "a", "b", lr=0.5).rules) == 1      # every parameter of the rule: in place
+    split = optim.adjust(optim.setup(optim.chain(optim.ClipGrad(1.0), optim.Descent(1.0)), model), "b", lr=0.5)
+    assert len(split.rules) == 2                                       # per-parameter clipping splits freely
+
+
+def test_looks_across_sees_through_wrappers_and_flags_unknown_apply_tree():
+    from optim._adjust import looks_across
+
+    assert looks_across(optim.Adam()) is None
+    assert looks_across(optim.MixedPrecision(optim.chain(optim.Adam(), optim.Scale(0.5)))) is None
+    assert looks_across(optim.EMA(optim.chain(optim.ClipNorm(1.0), optim.ClipGlobalNorm(1.0)))) == "ClipGlobalNorm"
+
+    class Mine(optim.Rule):
+        def apply_tree(self, states, xs, dxs):
+            return states, dxs
+
+    assert looks_across(Mine()) == "Mine"
