@@ -13,13 +13,13 @@ and the frozen flags are not in it: they come from `like_state`, the `setup` of 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cache import memoize
 from ._stack import stack_states
 from ._state import State, _member_ndims, unwrap
 from ._tree import describe, show, structure_diff, suggest
@@ -90,7 +90,7 @@ def load_state_dict(like_state: State, tree: Mapping) -> State:
     >>> tree = optim.state_dict(state)
     >>> fresh = optim.setup(optim.Adam(0.1), {"emb": w, "head": w})
     >>> back = optim.load_state_dict(fresh, tree)
-    >>> int(back.step), bool((back["head"].state[0] == state["emb"].state[0]).all())   # head: emb's state
+    >>> int(back.step), bool((back["head"].state.mu == state["emb"].state.mu).all())   # head: emb's state
     (1, True)
     >>> del tree["params"]["emb"]
     >>> optim.load_state_dict(fresh, tree)
@@ -284,6 +284,7 @@ def _stacked_sharding(col: list, axis: int) -> Any:
     return None      # one device: jnp.stack keeps the rows' device (and whether they are committed to it)
 
 
-@functools.lru_cache(maxsize=256)
-def _stacker(axis: int, sharding: Any):
+# 256 (axis, sharding) pairs: a model's stacks use a few; each holds a jitted function and its compiled programs.
+@memoize(256)
+def _stacker(axis: int, sharding: Any) -> Any:
     return jax.jit(lambda xs: jnp.stack(xs, axis), out_shardings=sharding)

@@ -296,7 +296,7 @@ class SkipNonFinite(Rule):
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.ones(2)}
     >>> s, m2 = optim.update(optim.setup(optim.SkipNonFinite(optim.Adam()), m), m, {"a": jnp.array([1.0, jnp.nan])})
-    >>> m2["a"], int(s["a"].state[1])
+    >>> m2["a"], int(s["a"].state.skipped)
     (Array([1., 1.], dtype=float32), 1)
     """
 
@@ -374,14 +374,14 @@ class SkipLargeUpdates(Rule):
     >>> s = optim.setup(optim.SkipLargeUpdates(optim.Descent(0.5), sigma=3.0, warmup=4), m)
     >>> for g in [1.0, 2.0, 1.0, 2.0]:
     ...     s, m = optim.update(s, m, {"a": jnp.array([g, 0.0])})
-    >>> stats = s["a"].state[1]               # about the mean and variance of 1, 2, 1, 2
+    >>> stats = s["a"].state.stats            # about the mean and variance of 1, 2, 1, 2
     >>> m["a"], round(float(stats["mean"]), 3), round(float(stats["var"]), 3)
     (Array([-3.,  0.], dtype=float32), 1.503, 0.25)
     >>> s, m = optim.update(s, m, {"a": jnp.array([100.0, 0.0])})     # 100 > 1.5 + 3 * 0.5: skipped
-    >>> m["a"], int(s["a"].state[1]["skipped"])
+    >>> m["a"], int(s["a"].state.stats["skipped"])
     (Array([-3.,  0.], dtype=float32), 1)
     >>> s, m = optim.update(s, m, {"a": jnp.array([2.0, 0.0])})
-    >>> m["a"], int(s["a"].state[1]["skipped"]), int(s["a"].state[1]["count"])
+    >>> m["a"], int(s["a"].state.stats["skipped"]), int(s["a"].state.stats["count"])
     (Array([-4.,  0.], dtype=float32), 1, 6)
     """
 

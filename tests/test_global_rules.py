@@ -55,12 +55,12 @@ def test_skip_non_finite_leaves_everything_untouched_and_counts():
         s1, m1 = step(state, m, bad)
         close(m1["a"], m["a"])
         close(m1["b"], m["b"])
-        assert int(s1["b"].state[1]) == 1 and int(s1["a"].state[1]) == 1
-        jax.tree.map(close, s1["a"].state[0], state["a"].state[0])
+        assert int(s1["b"].state.skipped) == 1 and int(s1["a"].state.skipped) == 1
+        jax.tree.map(close, s1["a"].state.inner, state["a"].state.inner)
         s2, m2 = step(s1, m1, good)
         _, ref = optim.update(optim.setup(optim.Adam(0.1), m), m, good)
         close(m2["a"], ref["a"])
-        assert int(s2["a"].state[1]) == 1
+        assert int(s2["a"].state.skipped) == 1
     s3, m3 = optim.update(state, m, {"a": jnp.array([1.0, jnp.inf]), "b": None})
     close(m3["a"], m["a"])
 
@@ -150,25 +150,25 @@ def test_skip_large_updates_matches_a_numpy_reference(jit):
     for t, (g, r) in enumerate(zip(gs, ref)):
         if r["late"] and np.isfinite(r["thr"]) and np.isfinite(exact_norm(g)):
             assert abs(exact_norm(g) - r["thr"]) > 0.05 * r["thr"], t      # the script keeps clear of the edge
-        before_m, before_inner = m, state["a"].state[0]
+        before_m, before_inner = m, state["a"].state.inner
         state, m = step(state, m, g)
         for p in ("a", "b"):                                  # both parameters hold the same statistics
-            stats = state[p].state[1]
+            stats = state[p].state.stats
             assert int(stats["count"]) == r["count"] and int(stats["skipped"]) == r["skipped"], (t, p)
             close(stats["mean"], r["mean"], rtol=2e-6, err_msg=f"step {t}")
             close(stats["var"], r["var"], rtol=2e-5, atol=1e-6, err_msg=f"step {t}")
         if r["skip"]:                                         # model and Adam's state bitwise untouched
             for p in ("a", "b"):
                 np.testing.assert_array_equal(m[p], before_m[p])
-            jax.tree.map(np.testing.assert_array_equal, state["a"].state[0], before_inner)
+            jax.tree.map(np.testing.assert_array_equal, state["a"].state.inner, before_inner)
         else:
             plain, plain_m = optim.update(plain, plain_m, g)
         for p in ("a", "b"):      # the same arithmetic, in another program: equal up to XLA's fusion (an ulp)
             close(m[p], plain_m[p], rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
-        jax.tree.map(lambda u, v: close(u, v, rtol=1e-6, atol=1e-7), state["b"].state[0], plain["b"].state)
+        jax.tree.map(lambda u, v: close(u, v, rtol=1e-6, atol=1e-7), state["b"].state.inner, plain["b"].state)
     skips = [r["skip"] for r in ref]
     assert [t for t, s in enumerate(skips) if s] == [3, 15, 18, 22, 30, 31, 32]   # the shift is absorbed
-    assert int(state["a"].state[1]["skipped"]) == 7 and not any(skips[33:])
+    assert int(state["a"].state.stats["skipped"]) == 7 and not any(skips[33:])
 
 
 def test_skip_large_updates_warmup_and_no_spread():
@@ -176,16 +176,16 @@ def test_skip_large_updates_warmup_and_no_spread():
     s = optim.setup(optim.SkipLargeUpdates(optim.Descent(1.0), sigma=2.0, warmup=0), m)
     for x in [1.0, 1.0, 1.0, 5.0]:                     # identical norms: no spread, so 5 is not an outlier
         s, m = optim.update(s, m, {"a": jnp.array([x, 0.0])})
-    assert int(s["a"].state[1]["skipped"]) == 0 and int(s["a"].state[1]["count"]) == 4
+    assert int(s["a"].state.stats["skipped"]) == 0 and int(s["a"].state.stats["count"]) == 4
     s, m2 = optim.update(s, m, {"a": jnp.array([100.0, 0.0])})
-    assert int(s["a"].state[1]["skipped"]) == 1
+    assert int(s["a"].state.stats["skipped"]) == 1
     np.testing.assert_array_equal(m2["a"], m["a"])
     # during warmup even a huge norm is a step; a non-finite one is skipped and not taken in
     s = optim.setup(optim.SkipLargeUpdates(optim.Descent(1.0), sigma=2.0, warmup=3), {"a": jnp.zeros(2)})
     for x, skipped, count in [(1.0, 0, 1), (2.0, 0, 2), (jnp.inf, 1, 2), (1000.0, 1, 3), (1.5, 1, 4)]:
         s, _ = optim.update(s, {"a": jnp.zeros(2)}, {"a": jnp.array([x, 0.0])})
-        assert (int(s["a"].state[1]["skipped"]), int(s["a"].state[1]["count"])) == (skipped, count)
-    assert np.isfinite(float(s["a"].state[1]["mean"])) and np.isfinite(float(s["a"].state[1]["var"]))
+        assert (int(s["a"].state.stats["skipped"]), int(s["a"].state.stats["count"])) == (skipped, count)
+    assert np.isfinite(float(s["a"].state.stats["mean"])) and np.isfinite(float(s["a"].state.stats["var"]))
 
 
 def test_skip_large_updates_adjust_without_retrace():
@@ -196,15 +196,15 @@ def test_skip_large_updates_adjust_without_retrace():
     for x in [1.0, 2.0, 1.0, 2.0]:
         s, m = step(s, m, {"a": jnp.array([x, 0.0])})
     spike = {"a": jnp.array([20.0, 0.0])}
-    assert int(step(s, m, spike)[0]["a"].state[1]["skipped"]) == 1
+    assert int(step(s, m, spike)[0]["a"].state.stats["skipped"]) == 1
     s2 = optim.adjust(s, sigma=100.0)                          # a looser bound: the spike is a step
     assert float(s2["a"].rule.sigma) == 100.0
-    assert int(step(s2, m, spike)[0]["a"].state[1]["skipped"]) == 0
+    assert int(step(s2, m, spike)[0]["a"].state.stats["skipped"]) == 0
     s3 = optim.adjust(s, warmup=10)                            # back in warmup: a step
     assert int(s3["a"].rule.warmup) == 10 and jnp.issubdtype(s3["a"].rule.warmup.dtype, jnp.integer)
-    assert int(step(s3, m, spike)[0]["a"].state[1]["skipped"]) == 0
+    assert int(step(s3, m, spike)[0]["a"].state.stats["skipped"]) == 0
     s4 = optim.adjust(s, norm_decay=0.5, warmup=0)
-    assert int(step(s4, m, spike)[0]["a"].state[1]["skipped"]) == 1
+    assert int(step(s4, m, spike)[0]["a"].state.stats["skipped"]) == 1
     assert len(traces) == 1
     with pytest.raises(ValueError, match="sigma"):
         optim.adjust(s, sigma=-1.0)
@@ -221,7 +221,7 @@ def test_skip_large_updates_counts_a_tie_once():
     g = {"emb": jnp.array([1.0, 2.0, 2.0]), "head": jnp.array([3.0, 0.0, 4.0])}
     s, model = optim.update(s, model, g)
     tied = np.sqrt(4.0 ** 2 + 2.0 ** 2 + 6.0 ** 2)          # the norm of the summed gradient [4, 2, 6]
-    close(s["emb"].state[1]["mean"], tied)
+    close(s["emb"].state.stats["mean"], tied)
     assert abs(tied - np.sqrt(9.0 + 25.0)) > 1               # not the norm over positions (sqrt(34), optax)
     assert model["emb"] is model["head"]
     close(model["emb"], 1 - 0.1 * np.array([4.0, 2.0, 6.0]))
@@ -229,11 +229,11 @@ def test_skip_large_updates_counts_a_tie_once():
     # large gradients at the two positions that cancel to a summed norm of 6 are a step
     s, model = optim.update(s, model, {"emb": jnp.array([1.0, 2.0, 2.0]), "head": jnp.array([1.0, 0.0, 2.0])})
     s1, m1 = optim.update(s, model, jax.tree.map(lambda v: 10 * v, g))
-    assert int(s1["head"].state[1]["skipped"]) == 1 and m1["emb"] is m1["head"]
+    assert int(s1["head"].state.stats["skipped"]) == 1 and m1["emb"] is m1["head"]
     np.testing.assert_array_equal(m1["emb"], model["emb"])
     cancel = {"emb": jnp.array([54.0, 102.0, 104.0]), "head": jnp.array([-50.0, -100.0, -100.0])}
     s2, m2 = optim.update(s, model, cancel)
-    assert int(s2["head"].state[1]["skipped"]) == 0 and int(s2["head"].state[1]["count"]) == 3
+    assert int(s2["head"].state.stats["skipped"]) == 0 and int(s2["head"].state.stats["count"]) == 3
     close(m2["emb"], model["emb"] - 0.1 * np.array([4.0, 2.0, 4.0]))
 
 
@@ -272,16 +272,16 @@ def test_skip_large_updates_with_clip_global_norm_in_a_chain():
                                            sigma=3.0, warmup=4), m)
     for x in norms:
         s, _ = optim.update(s, m, g(x))
-    assert int(s["a"].state[1]["skipped"]) == 1
-    close(s["a"].state[1]["count"], 5)
-    assert float(s["a"].state[1]["mean"]) > 1.5
+    assert int(s["a"].state.stats["skipped"]) == 1
+    close(s["a"].state.stats["count"], 5)
+    assert float(s["a"].state.stats["mean"]) > 1.5
     # inside the chain after ClipGlobalNorm: the clipped norms, all 1 (no spread), so nothing is skipped
     s = optim.setup(optim.chain(optim.ClipGlobalNorm(1.0), optim.SkipLargeUpdates(optim.Adam(0.1), sigma=3.0,
                                                                                   warmup=4)), m)
     for x in norms:
         s, _ = optim.update(s, m, g(x))
-    assert int(s["a"].state[1][1]["skipped"]) == 0
-    close(s["a"].state[1][1]["mean"], 1.0)
+    assert int(s["a"].state[1].stats["skipped"]) == 0
+    close(s["a"].state[1].stats["mean"], 1.0)
     # first in a chain: a skipped step closes the gate for the later stages, whose state is kept
     s = optim.setup(optim.chain(optim.SkipLargeUpdates(optim.ClipGlobalNorm(1.0), sigma=3.0, warmup=4),
                                 optim.Adam(0.1)), m)
@@ -289,7 +289,7 @@ def test_skip_large_updates_with_clip_global_norm_in_a_chain():
     for x in norms[:-1]:
         s, model = optim.update(s, model, g(x))
     s2, m2 = optim.update(s, model, g(40.0))
-    assert int(s2["a"].state[0][1]["skipped"]) == 1
+    assert int(s2["a"].state[0].stats["skipped"]) == 1
     jax.tree.map(np.testing.assert_array_equal, s2["a"].state[1], s["a"].state[1])
     np.testing.assert_array_equal(m2["a"], model["a"])
 
@@ -299,17 +299,17 @@ def test_skip_large_updates_none_gradient_does_not_count():
     s = optim.setup(optim.SkipLargeUpdates(optim.Adam(0.1), sigma=3.0, warmup=0, norm_decay=0.5), m)
     s, m = optim.update(s, m, {"a": jnp.array([3.0, 0.0]), "b": jnp.array([0.0, 4.0])})       # norm 5
     s1, m1 = optim.update(s, m, {"a": jnp.array([1.0, 0.0]), "b": None})                      # norm 1
-    assert int(s1["a"].state[1]["count"]) == 2 and int(s1["b"].state[1]["count"]) == 1
-    close(s1["a"].state[1]["mean"], (0.5 * 5 + 1) / 1.5)                                     # weights 0.5, 1
+    assert int(s1["a"].state.stats["count"]) == 2 and int(s1["b"].state.stats["count"]) == 1
+    close(s1["a"].state.stats["mean"], (0.5 * 5 + 1) / 1.5)                                     # weights 0.5, 1
     jax.tree.map(np.testing.assert_array_equal, s1["b"].state, s["b"].state)                 # not advanced
     np.testing.assert_array_equal(m1["b"], m["b"])
     # next step: the statistics of the parameter that saw the most steps, written to both
     s2, _ = optim.update(s1, m1, {"a": jnp.array([0.0, 0.0]), "b": jnp.array([0.0, 2.0])})    # norm 2
     ref = skip_reference([5.0, 1.0, 2.0], 3.0, 0, 0.5)[-1]
     for p in ("a", "b"):
-        assert int(s2[p].state[1]["count"]) == 3 and int(s2[p].state[1]["skipped"]) == 0
-        close(s2[p].state[1]["mean"], ref["mean"])
-        close(s2[p].state[1]["var"], ref["var"])
+        assert int(s2[p].state.stats["count"]) == 3 and int(s2[p].state.stats["skipped"]) == 0
+        close(s2[p].state.stats["mean"], ref["mean"])
+        close(s2[p].state.stats["var"], ref["var"])
 
 
 def test_skip_large_updates_construction():
@@ -342,7 +342,7 @@ def test_skip_large_updates_checkpoint_round_trip(tmp_path):
     for x in [1.0, 1.3, 0.8, 50.0, 1.1]:
         g = {"emb": jnp.full(2, x), "head": jnp.zeros(2), "b": jnp.full(3, x)}
         state, model = optim.update(state, model, g)
-    assert int(state["b"].state[1]["skipped"]) == 1
+    assert int(state["b"].state.stats["skipped"]) == 1
     optim.save(tmp_path / "skip.npz", state, model)
     new_state, new_model = optim.load(tmp_path / "skip.npz", like=fresh())
     assert int(new_state["b"].rule.warmup) == 2 and float(new_state["b"].rule.sigma) == 2.5
