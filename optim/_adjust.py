@@ -17,7 +17,7 @@ from ._step import Rule, is_rule
 from ._schedules import Schedule
 from ._hyper import canonical_numbers
 from ._state import Layout, PathError, State, unwrap, with_frozen
-from ._tree import show
+from ._tree import replace_fields, show
 
 def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them.
@@ -254,11 +254,8 @@ def _check_same_states(lay: Any, pairs: list) -> None:
 def _swap(rule: Any, changes: dict) -> Any:
     """A copy of `rule` with `changes`, each new value in the form (dtype) of the field it replaces. Built without
     `__init__`, like JAX's unflatten: the values were validated above, and may be tracers."""
-    new = object.__new__(type(rule))
-    for f in dataclasses.fields(rule):
-        old = getattr(rule, f.name)
-        object.__setattr__(new, f.name, _convert(changes[f.name], old) if f.name in changes else old)
-    return new
+    return replace_fields(rule, {f.name: _convert(changes[f.name], getattr(rule, f.name))
+                                 for f in dataclasses.fields(rule) if f.name in changes})
 
 
 def freeze(state: State, *patterns: str) -> State:

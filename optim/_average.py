@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ._cache import memoize
 from ._schedules import Hyper
 from ._stack import stack_arrays
 from ._state import Layout, State, unwrap
@@ -122,7 +122,8 @@ def averaged(state: State, model: PyTree) -> PyTree:
     return treedef.unflatten(out)
 
 
-@functools.lru_cache(maxsize=32)
+# 32 layouts: a run averages one or two models; each entry holds a compiled program.
+@memoize(32)
 def _averager(lay: Layout) -> Any:
     """The jitted computation of every parameter's average for this layout (cached; evicting one frees its
     compiled program)."""

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ._state import State
+from ._ties import identity_groups
 from ._tree import PyTree, flatten, is_trainable
 from ._update import flatten_like
 
@@ -36,18 +37,12 @@ def _unique(model: PyTree, state: Any, who: str):
         warnings.warn(f"optim.{who} was called on a traced model (inside jit or grad) without the state: ties are "
                       f"found by object identity, which tracing does not keep, so a tied array counts once per "
                       f"position. Pass the state's tie map: optim.{who}(model, state).", stacklevel=3)
-    first: dict[int, int] = {}
-    owner = []       # per position: (index of its unique parameter, None), or (-1, None)
-    uniques = []     # positions of the first occurrence of each parameter
-    for i, x in enumerate(leaves):
-        if not is_trainable(x):
-            owner.append((-1, None))
-            continue
-        j = first.setdefault(id(x), len(uniques))
-        if j == len(uniques):
-            uniques.append(i)
-        owner.append((j, None))
-    return paths, leaves, treedef, owner, uniques
+    groups = identity_groups(leaves, [is_trainable(x) for x in leaves])
+    owner = [(-1, None)] * len(leaves)      # per position: (index of its unique parameter, None), or (-1, None)
+    for j, members in enumerate(groups.values()):
+        for i in members:
+            owner[i] = (j, None)
+    return paths, leaves, treedef, owner, list(groups)     # groups are keyed by their first position
 
 
 def trainables(model: PyTree, state: State | None = None, path: bool = False) -> list:

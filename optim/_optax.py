@@ -41,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cache import LRU, memoize
 from ._optax_probe import cross_leaf, update_orientation
 from ._step import Rule
 from ._schedules import Schedule
 from ._setup import setup
 from ._state import State
-from ._tree import PyTree, fmt_value, is_trainable
+from ._tree import PyTree, fmt_value, is_trainable, replace_fields
 from ._update import update
 
 __all__ = ["from_optax", "to_optax", "with_extra_args", "FromOptax", "WholeTreeError"]
@@ -215,7 +216,9 @@ def _describe(tx: Any) -> str:
     return name
 
 
-_CHECKED: dict = {}
+# 1024 checks (per transformation and dtype, and per number of dimensions): a model needs a few; a miss only
+# runs the probes again.
+_CHECKED = LRU(1024)
 
 
 def _check(rule: "FromOptax", x: Any) -> None:
@@ -224,12 +227,10 @@ def _check(rule: "FromOptax", x: Any) -> None:
     small compiled update) once per transformation and dtype; both also while `setup` traces `init`."""
     base = (rule.tx, rule.static_kwargs, rule.gradient_like, jnp.dtype(x.dtype))
     key = base + (len(x.shape),)
-    if key in _CHECKED:
+    if _CHECKED.get(key):
         return
     with jax.ensure_compile_time_eval():   # build and probe concretely
-        _check_now(rule, rule.transformation(), x, orient=base not in _CHECKED)
-    if len(_CHECKED) > 1024:
-        _CHECKED.clear()
+        _check_now(rule, rule.transformation(), x, orient=not _CHECKED.get(base))
     _CHECKED[key] = _CHECKED[base] = True
 
 
@@ -340,7 +341,9 @@ class FromOptax(Rule):
         return f"from_optax({', '.join(parts)})"
 
 
-@functools.lru_cache(maxsize=None)
+# 1024 sets of factory arguments: a program has a few. Far above real use, because an evicted class would make a
+# later equal rule a new type (a new treedef: a recompile).
+@memoize(1024)
 def _factory_class(hyper: tuple[tuple[str, str], ...]) -> type:
     """A `FromOptax` subclass with one field per numeric factory argument (cached: equal rules, equal types)."""
     ns = {"__annotations__": {f: Any for f, _ in hyper}, "_hyper": hyper, "__module__": __name__,
@@ -507,11 +510,7 @@ def with_extra_args(state: State, **extra_args: Any) -> State:
             o = merged.get(k)
             same = isinstance(o, jax.Array) and isinstance(v, jax.Array) and o.shape == v.shape
             merged[k] = v.astype(o.dtype) if same else v    # keep the abstract type: no retrace
-        out = object.__new__(type(r))
-        for fld in dataclasses.fields(r):
-            object.__setattr__(out, fld.name, getattr(r, fld.name))
-        object.__setattr__(out, "extra_args", merged or None)
-        return out
+        return replace_fields(r, {"extra_args": merged or None})
 
     return State(state.layout, _map_from_optax(state.rules, put), state.stacks, state.step)
 

@@ -6,7 +6,6 @@ stack's initial state is made where its parameters live (`init_stack`), and how 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cache import memoize
 from ._tree import canonical_dtype, show
 
 
@@ -238,8 +238,8 @@ def placement(x: Any) -> Any:
     return getattr(x, "sharding", None)
 
 
-@functools.cache
-def _default_sharding():
+@memoize(1)     # 1: it takes no arguments
+def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 

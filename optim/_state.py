@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cache import LRU
 from ._stack import make_stacks, place_stack, row_index, stack_states
 from ._tree import describe, flatten, match_positions, show, suggest, unique_index
 
@@ -315,7 +316,8 @@ class State:
         return "\n".join(lines)
 
 
-_NDIMS: dict = {}
+# 4096 (rule structure, shape, dtype, state structure): a large model has hundreds of distinct parameter kinds.
+_NDIMS = LRU(4096)
 
 
 def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
@@ -334,8 +336,6 @@ def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
             nd = None
         if nd is None:
             nd = tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stacks[state.layout.slot[u][0]]))
-        if len(_NDIMS) > 4096:
-            _NDIMS.clear()
         _NDIMS[key] = nd
     return nd
 

@@ -7,7 +7,7 @@ canonical member of a group is the target of an explicit tie if there is one, el
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ._tree import describe, show, suggest, unique_index
 
@@ -15,14 +15,21 @@ from ._tree import describe, show, suggest, unique_index
 def tie_groups(paths: Any, leaves: list[Any], trainable: list[bool],
                ties: Mapping[str, str] | None = None) -> dict[int, tuple[int, ...]]:
     """Map each canonical position to its group's positions (canonical first, then flatten order)."""
+    groups = identity_groups(leaves, trainable)
+    if not ties:
+        return {c: tuple(m) for c, m in groups.items()}
+    return _merge_explicit(groups, paths, leaves, trainable, ties)
+
+
+def identity_groups(leaves: Sequence[Any], trainable: Sequence[bool]) -> dict[int, list[int]]:
+    """The trainable positions grouped by object identity: each group's first position (in flatten order) maps to
+    all of its positions, in flatten order; groups in the order of their first positions."""
     first: dict[int, int] = {}
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trainable):
         if t:
             groups.setdefault(first.setdefault(id(leaves[i]), i), []).append(i)
-    if not ties:
-        return {c: tuple(m) for c, m in groups.items()}
-    return _merge_explicit(groups, paths, leaves, trainable, ties)
+    return groups
 
 
 def _merge_explicit(groups: dict[int, list[int]], paths: Any, leaves: list[Any], trainable: list[bool],

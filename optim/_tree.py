@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._cache import LRU
 
 PyTree = Any
 
@@ -55,7 +58,8 @@ def flatten(tree: PyTree, is_leaf=None) -> tuple[list[str], list[Any], Any]:
     return [dotted(kp) for kp, _ in pairs], [leaf for _, leaf in pairs], treedef
 
 
-_INEXACT: dict = {}
+# 64 dtypes: far more than a model has; is_trainable asks once per leaf and jnp.issubdtype costs microseconds.
+_INEXACT = LRU(64)
 
 
 def is_trainable(x: Any) -> bool:
@@ -64,7 +68,7 @@ def is_trainable(x: Any) -> bool:
         return False
     dt = x.dtype
     ok = _INEXACT.get(dt)
-    if ok is None:  # jnp.issubdtype costs microseconds; setup asks once per leaf
+    if ok is None:
         ok = _INEXACT[dt] = bool(jnp.issubdtype(dt, jnp.inexact))
     return ok
 
@@ -112,26 +116,37 @@ def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
     JAX rebuilds such objects with tracers or placeholders as leaves, so unflattening bypasses `__init__`
     (and its validation).
     """
-    import dataclasses
-
     dataclasses.dataclass(frozen=True, repr=False)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     data = tuple(n for n in names if n not in static)
     meta = tuple(n for n in names if n in static)
+    order = data + meta
 
     def flatten_with_keys(obj):
         return [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data], tuple(getattr(obj, n) for n in meta)
 
     def unflatten(aux, children):
-        obj = object.__new__(cls)
-        for n, v in zip(data, children):
-            object.__setattr__(obj, n, v)
-        for n, v in zip(meta, aux):
-            object.__setattr__(obj, n, v)
-        return obj
+        return new_frozen(cls, order, (*children, *aux))
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten)
     return cls
+
+
+def new_frozen(cls: type, names: Iterable[str], values: Iterable[Any]) -> Any:
+    """An instance of the frozen dataclass `cls` with fields `names` set to `values`, built without `__init__`."""
+    # Without __init__ on purpose: JAX rebuilds pytrees with tracers or placeholders as leaves, and callers
+    # copy objects whose new values were already checked, so __init__'s validation must not run again.
+    obj = object.__new__(cls)
+    for n, v in zip(names, values):
+        object.__setattr__(obj, n, v)
+    return obj
+
+
+def replace_fields(obj: Any, changes: Mapping[str, Any]) -> Any:
+    """A copy of the frozen dataclass `obj` with the fields named in `changes` replaced (other names are
+    ignored), built without `__init__` (see `new_frozen`)."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    return new_frozen(type(obj), names, [changes[n] if n in changes else getattr(obj, n) for n in names])
 
 
 def fmt_value(v: Any) -> str:

@@ -13,7 +13,6 @@ invalid one fails before anything runs.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import operator
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cache import LRU
 from ._schedules import resolve
 from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
@@ -58,10 +58,9 @@ class Program:
     jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
 
-# Least recently used first. Evicting a Program frees its compiled executables (see `_jitted`).
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PROGRAMS = 256
-_MRU: Program | None = None   # the last Program `_plan` returned: the last entry of `_PROGRAMS`
+# The eager programs, per layout and gradient structures (each `None` pattern is one). 256: a run meets a few
+# patterns, and each Program holds compiled executables, freed when it is evicted (see `_jitted`).
+_PROGRAMS = LRU(256)
 
 
 def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
@@ -213,19 +212,10 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
     key = (lay, *(d for _, d in flat))
-    global _MRU
     prog = _PROGRAMS.get(key)
     if prog is None:
-        prog = _MRU = _program(lay, trees, who)
+        prog = _program(lay, trees, who)
         _PROGRAMS[key] = prog
-        while len(_PROGRAMS) > _MAX_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
-    elif prog is not _MRU:   # LRU: a hit moves to the end (unless already there: saves hashing the key again)
-        _MRU = prog
-        try:
-            _PROGRAMS.move_to_end(key)
-        except KeyError:     # another thread evicted it meanwhile; prog is still valid
-            pass
     return prog, leaves, treedef, [g for g, _ in flat]
 
 

@@ -1,13 +1,18 @@
-"""The eager program cache of `update`: LRU, and evicting a program frees what was compiled for it.
+"""optim's caches: every module-level cache is a bounded LRU (`optim/_cache.py`); the eager program cache of
+`update` in particular, where evicting a program frees what was compiled for it.
 
-Each distinct `None` pattern in the gradients is a new program. Every test runs on a fresh, small cache.
+Each distinct `None` pattern in the gradients is a new program. Every program-cache test runs on a fresh, small
+cache.
 """
 
-import collections
 import contextlib
+import importlib
 import gc
 import itertools
 import os
+import pathlib
+import pkgutil
+import re
 import weakref
 
 import jax
@@ -16,6 +21,7 @@ import pytest
 
 import optim
 import optim._update as U
+from optim._cache import LRU, memoize
 
 L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
 
@@ -23,8 +29,7 @@ L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
 @pytest.fixture
 def small_cache(monkeypatch):
     def limit(n):
-        monkeypatch.setattr(U, "_MAX_PROGRAMS", n)
-    monkeypatch.setattr(U, "_PROGRAMS", collections.OrderedDict())
+        monkeypatch.setattr(U, "_PROGRAMS", LRU(n))
     return limit
 
 
@@ -124,3 +129,76 @@ def test_rss_stays_flat_when_patterns_cycle_through_a_small_cache(small_cache):
     print("RSS growth per cycle (MiB):", growth)
     # The old cache kept every executable alive, ~1.6 MiB each here, so each cycle grew by ~50 MiB.
     assert growth[2] < max(0.25 * growth[0], 8.0), f"RSS growth per cycle (MiB): {growth}"
+
+
+# ------------------------------------------------------------------------------------------- every cache
+def module_caches() -> dict[str, LRU]:
+    """Every module-level cache of optim: `LRU`s, and the `LRU` behind each `memoize`d function."""
+    out = {}
+    for info in pkgutil.iter_modules(optim.__path__):
+        mod = importlib.import_module(f"optim.{info.name}")
+        for name, v in vars(mod).items():
+            if isinstance(v, LRU):
+                out[f"{info.name}.{name}"] = v
+            elif isinstance(getattr(v, "cache", None), LRU) and v.__module__ == mod.__name__:
+                out[f"{info.name}.{name}"] = v.cache
+    return out
+
+
+def test_every_module_cache_is_a_bounded_lru():
+    sizes = {name: c.maxsize for name, c in module_caches().items()}
+    assert sizes == {
+        "_update._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
+        "_checkpoint_format._DTYPE_NAMES": 64, "_optax._CHECKED": 1024, "_optax._factory_class": 1024,
+        "_stack._default_sharding": 1, "_state._NDIMS": 4096, "_state_dict._stacker": 256,
+        "_average._averager": 32, "_tree._INEXACT": 64}
+    # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
+    src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.glob("*.py") if p.name != "_cache.py")
+    assert not re.findall(r"functools\.cache\b|lru_cache\(|OrderedDict\(|\.clear\(\)", src)
+
+
+def test_lru_evicts_the_least_recently_used():
+    c = LRU(3)
+    for k in "abc":
+        c[k] = k.upper()
+    assert c.get("a") == "A"          # a use: "b" is now the least recently used
+    c["d"] = "D"
+    assert len(c) == 3 and "b" not in c and c.values() == ["C", "A", "D"]
+    assert c.get("a") == "A" and c.get("a") == "A" and c.values() == ["C", "D", "A"]   # a repeated hit stays last
+    c["c"] = "C2"                     # a store replaces and uses
+    assert c.values() == ["D", "A", "C2"] and c.get("b", 0) == 0
+    with pytest.raises(TypeError):
+        c.get([1])                    # unhashable keys raise, as in a dict
+    with pytest.raises(ValueError, match="maxsize must be at least 1"):
+        LRU(0)
+
+
+def test_memoize_is_bounded():
+    calls = []
+
+    @memoize(2)
+    def square(x):
+        calls.append(x)
+        return x * x
+
+    assert [square(x) for x in (1, 2, 1, 3, 1, 2)] == [1, 4, 1, 9, 1, 4]
+    assert calls == [1, 2, 3, 2] and len(square.cache) == 2     # 2 was evicted by 3, 1 kept by its uses
+
+
+def test_signature_cache_evicts(monkeypatch):
+    from optim import _checkpoint_format as F
+    monkeypatch.setattr(F, "_SIGNATURES", LRU(2))
+    trees = [jax.tree.structure(t) for t in ({"a": 1}, [1, 2], (1, {"b": 2}))]
+    for td in trees:
+        F.signature(td)
+    assert len(F._SIGNATURES) == 2 and trees[0] not in F._SIGNATURES and trees[2] in F._SIGNATURES
+
+
+def test_state_ndims_cache_evicts(monkeypatch):
+    import optim._state as S
+    monkeypatch.setattr(S, "_NDIMS", LRU(2))
+    model = {"a": jnp.ones(2), "b": jnp.ones((2, 3)), "c": jnp.ones((4,), jnp.bfloat16)}
+    state = optim.setup(optim.Adam(0.1), model)
+    for path in model:
+        assert [x.shape for x in state[path].state[:2]] == [model[path].shape] * 2     # mu, nu
+    assert len(S._NDIMS) == 2

@@ -242,10 +242,10 @@ KILLED = """
 import sys, time, numpy as np
 sys.path.insert(0, {here!r})
 import optim
-from optim import _checkpoint
+from optim import _checkpoint, _checkpoint_format
 big = {{"w": np.ones((512, 512), np.float32), "v": np.ones((512, 512), np.float32)}}
 state = optim.setup(optim.Adam(0.1), big)
-emit = _checkpoint._emit
+emit = _checkpoint_format._emit
 count = [0]
 def slow_emit(out, a):               # the writer stalls after its first arrays: kill it there
     emit(out, a)
@@ -253,7 +253,7 @@ def slow_emit(out, a):               # the writer stalls after its first arrays:
     if count[0] == 3:
         print("WRITING", flush=True)
         time.sleep(60)
-_checkpoint._emit = slow_emit
+_checkpoint_format._emit = slow_emit
 _checkpoint.save({ckpt!r}, state, big)
 print("finished", flush=True)
 """
@@ -328,7 +328,7 @@ def test_save_fsyncs_file_and_directory_and_renames(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- no pickle
 def test_no_pickle_anywhere(tmp_path):
-    src = (ROOT / "optim" / "_checkpoint.py").read_text()
+    src = "".join((ROOT / "optim" / name).read_text() for name in ("_checkpoint.py", "_checkpoint_format.py"))
     assert not re.search(r"import (c?pickle|dill|marshal|shelve)|allow_pickle=True|\beval\(|\bexec\(", src)
     calls = re.findall(r"np\.load\(([^)]*)\)", src)
     assert calls and all("allow_pickle=False" in c for c in calls)
