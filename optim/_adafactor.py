@@ -11,7 +11,7 @@ import numpy as np
 
 from ._moments import load, mu_zeros, StateDtypes
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _compute, _real, as_compute
+from ._step import Rule, abs2, compute_dtype, real_dtype, as_compute
 
 __all__ = ["Adafactor"]
 
@@ -118,11 +118,11 @@ class Adafactor(StateDtypes, Rule):
         state = {"count": jnp.zeros((), jnp.int32)}
         dims = self._dims(x)
         if dims is None:
-            state["v"] = jnp.zeros(x.shape, _real(x))
+            state["v"] = jnp.zeros(x.shape, real_dtype(x))
         else:
             d1, d0 = dims
-            state["v_row"] = jnp.zeros(np.delete(x.shape, d0), _real(x))
-            state["v_col"] = jnp.zeros(np.delete(x.shape, d1), _real(x))
+            state["v_row"] = jnp.zeros(np.delete(x.shape, d0), real_dtype(x))
+            state["v_col"] = jnp.zeros(np.delete(x.shape, d1), real_dtype(x))
         if self.momentum is not None:
             state["m"] = mu_zeros(self, x)
         return state
@@ -133,10 +133,10 @@ class Adafactor(StateDtypes, Rule):
                              f"{'with' if 'm' in state else 'without'} momentum; changing momentum between None "
                              "and a number needs a new optim.setup")
         c = lambda v: as_compute(v, x)   # noqa: E731
-        g = dx.astype(jnp.promote_types(dx.dtype, _compute(x)))
+        g = dx.astype(jnp.promote_types(dx.dtype, compute_dtype(x)))
         count = state["count"] + 1
         rho = 1 - (count - jnp.asarray(self.decay_offset, count.dtype)).astype(c(0).dtype) ** -c(self.decay_rate)
-        g2 = _abs2(g) + c(self.eps)
+        g2 = abs2(g) + c(self.eps)
         dims = self._dims(x)
         if dims is None:
             (v,) = load(x, state["v"])
@@ -165,4 +165,4 @@ class Adafactor(StateDtypes, Rule):
 
 def _rms(a: jax.Array) -> jax.Array:
     """The root mean square of all entries of `a`, in at least float32."""
-    return jnp.sqrt(jnp.mean(_abs2(a.astype(jnp.promote_types(a.dtype, jnp.float32)))))
+    return jnp.sqrt(jnp.mean(abs2(a.astype(jnp.promote_types(a.dtype, jnp.float32)))))

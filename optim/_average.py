@@ -14,7 +14,7 @@ from ._cache import memoize
 from ._schedules import Hyper
 from ._stack import stack_arrays
 from ._state import Layout, State, unwrap
-from ._step import Gated, Rule, _where, apply_all, apply_one, apply_step, as_compute, average_of, is_rule
+from ._step import Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute, average_of, is_rule
 from ._tree import PyTree
 
 __all__ = ["EMA", "averaged"]
@@ -78,7 +78,7 @@ class EMA(Rule):
             if step is not None:
                 d = as_compute(self.decay, avg)
                 moved = d * avg + (1 - d) * apply_step(x, step).astype(avg.dtype)
-                avg = _where(step.ok, moved, avg) if isinstance(step, Gated) else moved
+                avg = where_leading(step.ok, moved, avg) if isinstance(step, Gated) else moved
             new.append(EMAState(st, avg))
         return new, steps
 

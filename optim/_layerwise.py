@@ -18,7 +18,7 @@ import numpy as np
 from ._moments import bt_init, bt_next, load, moments, mu_zeros, StateDtypes
 from ._rules import AdamState
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _eps, _zeros_real, as_compute
+from ._step import Rule, abs2, eps_of, zeros_real, as_compute
 
 __all__ = ["Muon", "Lamb", "Lars"]
 
@@ -31,7 +31,7 @@ def _newton_schulz(g: jax.Array, steps: int, eps: jax.Array) -> jax.Array:
     `X = g / (‖g‖_F + ε)`, then `steps` times `A = X Xᴴ`, `X ← a X + (b A + c A²) X` with
     `(a, b, c) = (3.4445, -4.7750, 2.0315)`, on the wide orientation of `g`."""
     a, b, c = _NS_COEFFS
-    x = g / (jnp.sqrt(jnp.sum(_abs2(g))) + eps)
+    x = g / (jnp.sqrt(jnp.sum(abs2(g))) + eps)
     tall = g.shape[0] > g.shape[1]
     if tall:
         x = x.T
@@ -194,7 +194,7 @@ class Muon(StateDtypes, Rule):
 def _norm(a: jax.Array) -> jax.Array:
     """The 2-norm of all entries of `a` (Frobenius for a matrix), summed in at least float32."""
     a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-    return jnp.sqrt(jnp.sum(_abs2(a)))
+    return jnp.sqrt(jnp.sum(abs2(a)))
 
 
 def _trust_ratio(x: jax.Array, u: jax.Array, coef: jax.Array, eps: jax.Array) -> jax.Array:
@@ -246,13 +246,13 @@ class Lamb(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return AdamState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x))
+        return AdamState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt = state
         m, v = moments(self.beta, m, v, dx, x)
         vhat = v / (1 - bt[1]) + as_compute(self.eps_root, x)
-        u = m / (1 - bt[0]) / (jnp.sqrt(vhat) + _eps(self.eps, x)) + as_compute(self.weight_decay, x) * x
+        u = m / (1 - bt[0]) / (jnp.sqrt(vhat) + eps_of(self.eps, x)) + as_compute(self.weight_decay, x) * x
         lr = as_compute(self.lr, x)
         step = (lr * _trust_ratio(x, u, jnp.ones((), lr.dtype), jnp.zeros((), lr.dtype))) * u
         return AdamState(m, v, bt_next(bt, self.beta, x)), step

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._step import _abs2, _compute, _pair, _real
+from ._step import abs2, compute_dtype, pair_of, real_dtype
 
 __all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next"]
 
@@ -67,12 +67,12 @@ def mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
 
 def nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
     """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype)."""
-    return jnp.full(x.shape, fill, _real(x) if rule.nu_dtype is None else rule.nu_dtype)
+    return jnp.full(x.shape, fill, real_dtype(x) if rule.nu_dtype is None else rule.nu_dtype)
 
 
 def load(x: jax.Array, *moments: jax.Array) -> tuple:
     """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype."""
-    c = _compute(x)
+    c = compute_dtype(x)
     return tuple(a.astype(jnp.promote_types(a.dtype, c)) for a in moments)
 
 
@@ -84,15 +84,15 @@ def store(new: tuple, old: tuple) -> tuple:
 # ----------------------------------------------------------------------------------------------- Adam moments
 def moments(beta, m, v, dx, x):
     """Adam's moment updates: `(β₁ m + (1 - β₁) g, β₂ v + (1 - β₂)|g|²)`."""
-    b1, b2 = _pair(beta, x)
-    return b1 * m + (1 - b1) * dx, b2 * v + (1 - b2) * _abs2(dx)
+    b1, b2 = pair_of(beta, x)
+    return b1 * m + (1 - b1) * dx, b2 * v + (1 - b2) * abs2(dx)
 
 
 def bt_init(beta, x):
     """The running powers (β₁ᵗ, β₂ᵗ) at t = 1, as one array: one buffer and one kernel per parameter, not two."""
-    return jnp.stack(_pair(beta, x))
+    return jnp.stack(pair_of(beta, x))
 
 
 def bt_next(bt, beta, x):
     """The running powers one step later."""
-    return bt * jnp.stack(_pair(beta, x))
+    return bt * jnp.stack(pair_of(beta, x))

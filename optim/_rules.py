@@ -11,7 +11,7 @@ ranges are checked when a rule is built and when `adjust` changes them.
 Gradients reach `apply` already summed over a tie group, cast to the parameter's dtype and, for complex
 parameters, conjugated: JAX's gradient of a real loss w.r.t. a complex `w` is the conjugate of the steepest
 descent direction, so after conjugation `x - η g` descends, as in Optimisers.jl and PyTorch. Rules compute in
-the parameter's real dtype but at least float32 (`optim._step._compute`); states keep their storage dtype.
+the parameter's real dtype but at least float32 (`optim._step.compute_dtype`); states keep their storage dtype.
 
 States are named tuples (`AdamState(mu, nu, bt)`: `state["w"].state.mu`), which index like the plain tuples
 of earlier versions (files written by `optim.save` then still load). Moment storage dtypes (`mu_dtype`,
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ._moments import bt_init, bt_next, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _eps, _pair, _real, _zeros_real, as_compute, clip_factor
+from ._step import Rule, abs2, eps_of, pair_of, real_dtype, zeros_real, as_compute, clip_factor
 
 __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
@@ -235,7 +235,7 @@ class Rprop(Rule):
 
     def apply(self, state, x, dx, *dxs):
         gp, eta = state
-        (lo, hi), (gmin, gmax) = _pair(self.ell, x), _pair(self.gamma, x)
+        (lo, hi), (gmin, gmax) = pair_of(self.ell, x), pair_of(self.gamma, x)
         s = gp * dx
         eta = jnp.where(s > 0, jnp.minimum(eta * hi, gmax), jnp.where(s < 0, jnp.maximum(eta * lo, gmin), eta))
         gp = jnp.where(s < 0, jnp.zeros_like(dx), dx)
@@ -281,18 +281,18 @@ class RMSProp(Rule):
     _decay = ("rho",)
 
     def init(self, x):
-        return RMSPropState(_zeros_real(x), jnp.zeros_like(x) if self.centred else None)
+        return RMSPropState(zeros_real(x), jnp.zeros_like(x) if self.centred else None)
 
     def apply(self, state, x, dx, *dxs):
         q, l = state
         rho = as_compute(self.rho, x)
-        q = rho * q + (1 - rho) * _abs2(dx)
+        q = rho * q + (1 - rho) * abs2(dx)
         if self.centred:
             l = rho * l + (1 - rho) * dx
-            q_eff = q - _abs2(l)
+            q_eff = q - abs2(l)
         else:
             q_eff = q
-        return RMSPropState(q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + _eps(self.eps, x))
+        return RMSPropState(q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + eps_of(self.eps, x))
 
 
 
@@ -342,7 +342,7 @@ class Adam(StateDtypes, Rule):
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
-        step = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
+        step = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x)) * as_compute(self.lr, x)
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
@@ -396,7 +396,7 @@ class RAdam(StateDtypes, Rule):
         rho = rho_inf - 2 * t.astype(b2.dtype) * bt[1] / (1 - bt[1])
         r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
         lr, mhat = as_compute(self.lr, x), m / (1 - bt[0])
-        step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x)) * lr, mhat * lr)
+        step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x)) * lr, mhat * lr)
         return RAdamState(*store((m, v), state), bt_next(bt, self.beta, x), t + 1), step
 
 
@@ -430,14 +430,14 @@ class AdaMax(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return AdaMaxState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x))
+        return AdaMaxState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
         m, u, bt = state
-        b1, b2 = _pair(self.beta, x)
+        b1, b2 = pair_of(self.beta, x)
         m = b1 * m + (1 - b1) * dx
         u = jnp.maximum(b2 * u, jnp.abs(dx))
-        step = (as_compute(self.lr, x) / (1 - bt[0])) * m / (u + _eps(self.eps, x))
+        step = (as_compute(self.lr, x) / (1 - bt[0])) * m / (u + eps_of(self.eps, x))
         return AdaMaxState(m, u, bt_next(bt, self.beta, x)), step
 
 
@@ -470,12 +470,12 @@ class OAdam(Rule):
     _unit = ("beta",)
 
     def init(self, x):
-        return OAdamState(jnp.zeros_like(x), _zeros_real(x), bt_init(self.beta, x), jnp.zeros_like(x))
+        return OAdamState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x), jnp.zeros_like(x))
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt, prev = state
         m, v = moments(self.beta, m, v, dx, x)
-        term = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x))
+        term = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x))
         return OAdamState(m, v, bt_next(bt, self.beta, x), term), 2 * term - prev
 
 
@@ -508,11 +508,11 @@ class AdaGrad(Rule):
     _nonneg = ("lr", "eps")
 
     def init(self, x):
-        return jnp.full(x.shape, self.eps, _real(x))
+        return jnp.full(x.shape, self.eps, real_dtype(x))
 
     def apply(self, acc, x, dx, *dxs):
-        acc = acc + _abs2(dx)
-        return acc, dx * as_compute(self.lr, x) / (jnp.sqrt(acc) + _eps(self.eps, x))
+        acc = acc + abs2(dx)
+        return acc, dx * as_compute(self.lr, x) / (jnp.sqrt(acc) + eps_of(self.eps, x))
 
 
 class AdaDelta(Rule):
@@ -543,14 +543,14 @@ class AdaDelta(Rule):
     _decay = ("rho",)
 
     def init(self, x):
-        return AdaDeltaState(_zeros_real(x), _zeros_real(x))
+        return AdaDeltaState(zeros_real(x), zeros_real(x))
 
     def apply(self, state, x, dx, *dxs):
         a, d = state
-        rho, eps = as_compute(self.rho, x), _eps(self.eps, x)
-        a = rho * a + (1 - rho) * _abs2(dx)
+        rho, eps = as_compute(self.rho, x), eps_of(self.eps, x)
+        a = rho * a + (1 - rho) * abs2(dx)
         step = dx * jnp.sqrt(d + eps) / jnp.sqrt(a + eps)
-        return AdaDeltaState(a, rho * d + (1 - rho) * _abs2(step)), step
+        return AdaDeltaState(a, rho * d + (1 - rho) * abs2(step)), step
 
 
 class AMSGrad(StateDtypes, Rule):
@@ -600,7 +600,7 @@ class AMSGrad(StateDtypes, Rule):
         m, v, vmax = load(x, *state)
         m, v = moments(self.beta, m, v, dx, x)
         vmax = jnp.maximum(vmax, v)
-        step = as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + _eps(self.eps, x))
+        step = as_compute(self.lr, x) * m / (jnp.sqrt(vmax) + eps_of(self.eps, x))
         return AMSGradState(*store((m, v, vmax), state)), step
 
 
@@ -646,10 +646,10 @@ class NAdam(StateDtypes, Rule):
 
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
-        b1, b2 = _pair(self.beta, x)
+        b1, b2 = pair_of(self.beta, x)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         num = b1 * m / (1 - b1 * bt[0]) + (1 - b1) * dx / (1 - bt[0])
-        step = num / (jnp.sqrt(v * b2 / (1 - bt[1])) + _eps(self.eps, x)) * as_compute(self.lr, x)
+        step = num / (jnp.sqrt(v * b2 / (1 - bt[1])) + eps_of(self.eps, x)) * as_compute(self.lr, x)
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
@@ -701,7 +701,7 @@ class AdamW(StateDtypes, Rule):
         bt = state[2]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         # Optimisers.jl: the inner Adam uses the raw ε, floored like every other rule for 16-bit floats here.
-        a = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + _eps(self.eps, x))
+        a = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x))
         lr, wd = as_compute(self.lr, x), as_compute(self.weight_decay, x)
         step = lr * (a + wd * x) if self.couple else lr * a + wd * x
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
@@ -749,10 +749,10 @@ class AdaBelief(StateDtypes, Rule):
 
     def apply(self, state, x, dx, *dxs):
         (m, s), bt = load(x, *state[:2]), state[2]
-        b1, b2 = _pair(self.beta, x)
-        eps = _eps(self.eps, x)
+        b1, b2 = pair_of(self.beta, x)
+        eps = eps_of(self.eps, x)
         m = b1 * m + (1 - b1) * dx
-        s = b2 * s + (1 - b2) * _abs2(dx - m) + eps
+        s = b2 * s + (1 - b2) * abs2(dx - m) + eps
         step = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(s / (1 - bt[1])) + eps)
         return AdaBeliefState(*store((m, s), state), bt_next(bt, self.beta, x)), step
 
@@ -796,7 +796,7 @@ class Lion(StateDtypes, Rule):
 
     def apply(self, m0, x, dx, *dxs):
         (m,) = load(x, m0)
-        b1, b2 = _pair(self.beta, x)
+        b1, b2 = pair_of(self.beta, x)
         step = as_compute(self.lr, x) * jnp.sign(b1 * m + (1 - b1) * dx)
         return (b2 * m + (1 - b2) * dx).astype(m0.dtype), step
 
@@ -910,7 +910,7 @@ def _pnorm(g: jax.Array, p: float) -> jax.Array:
     """The p-norm of all entries of `g` (p = 0 counts the non-zero entries; ±inf: largest / smallest |g|)."""
     a = jnp.abs(g)
     if p == 2:
-        return jnp.sqrt(jnp.sum(_abs2(g)))
+        return jnp.sqrt(jnp.sum(abs2(g)))
     if p == float("inf"):
         return jnp.max(a)
     if p == float("-inf"):

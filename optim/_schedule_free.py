@@ -9,7 +9,7 @@ import numpy as np
 
 from ._hyper import is_concrete, is_schedule
 from ._schedules import Hyper
-from ._step import Rule, _abs2, _compute, _eps, _pair, _zeros_real, as_compute
+from ._step import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_compute
 
 __all__ = ["ScheduleFreeAdamW"]
 
@@ -90,20 +90,20 @@ class ScheduleFreeAdamW(Rule):
 
     def init(self, x):
         z = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        a = jnp.asarray([0.0, 0.0, 1.0], _compute(x))
-        return ScheduleFreeState(z, _zeros_real(x), jnp.ones((), jnp.int32), a)
+        a = jnp.asarray([0.0, 0.0, 1.0], compute_dtype(x))
+        return ScheduleFreeState(z, zeros_real(x), jnp.ones((), jnp.int32), a)
 
     def apply(self, state, x, dx, *dxs):
         z, v, t, a = state
-        b1, b2 = _pair(self.beta, x)
+        b1, b2 = pair_of(self.beta, x)
         lr, warm = as_compute(self.lr, x), as_compute(self.warmup_steps, x)
         tf = t.astype(lr.dtype)
 
         def ramp(k):   # optax's warmup_constant_schedule(0, η, W) at count k, as a factor of η
             return jnp.where(warm > 0, jnp.minimum(k, warm) / jnp.where(warm > 0, warm, 1), 1)
 
-        v = b2 * v + (1 - b2) * _abs2(dx)
-        u = dx / (jnp.sqrt(v / (1 - b2 ** tf)) + _eps(self.eps, x)) + as_compute(self.weight_decay, x) * x
+        v = b2 * v + (1 - b2) * abs2(dx)
+        u = dx / (jnp.sqrt(v / (1 - b2 ** tf)) + eps_of(self.eps, x)) + as_compute(self.weight_decay, x) * x
         z_new = z - (lr * ramp(tf - 1)) * u
         lr_max = jnp.maximum(a[1], lr * ramp(tf))
         w = lr_max ** as_compute(self.weight_lr_power, x)

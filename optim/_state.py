@@ -206,7 +206,7 @@ class State:
         g, k = self.layout.slot[u]
         stack = self.stacks[g]
         leaves, treedef = jax.tree_util.tree_flatten(stack)
-        extra = [np.ndim(a) - d for a, d in zip(leaves, _member_ndims(self, u, treedef))]
+        extra = [np.ndim(a) - d for a, d in zip(leaves, member_ndims(self, u, treedef))]
         return treedef.unflatten([a[(slice(None),) * (e - 1) + (k,)] for a, e in zip(leaves, extra)])
 
     def param_states(self) -> list:
@@ -249,7 +249,7 @@ class State:
                 else:
                     runs.append((g, [k]))
             treedef = jax.tree.structure(self.stacks[runs[0][0]])
-            nd = _member_ndims(self, stack[0], treedef)
+            nd = member_ndims(self, stack[0], treedef)
             columns = zip(*[jax.tree.leaves(self.stacks[g]) for g, _ in runs])
             stacks.append(self._placed(len(stacks), treedef.unflatten(
                 [_gather(col, [rows for _, rows in runs], nd[c]) for c, col in enumerate(columns)]), layout))
@@ -320,7 +320,7 @@ class State:
 _NDIMS = LRU(4096)
 
 
-def _member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
+def member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
     """The ndim of each of one parameter's state arrays, without stacking (from the rule's init, cached per
     rule structure, shape and dtype): how `param_state` finds the stack axis behind any batch axes."""
     p = state.layout.params[u]

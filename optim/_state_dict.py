@@ -21,7 +21,7 @@ import numpy as np
 
 from ._cache import memoize
 from ._stack import stack_states
-from ._state import State, _member_ndims, unwrap
+from ._state import State, member_ndims, unwrap
 from ._tree import describe, show, structure_diff, suggest
 
 __all__ = ["state_dict", "load_state_dict"]
@@ -199,7 +199,7 @@ def _member_abstract(state: State, g: int) -> tuple[Any, list[tuple]]:
     u = state.layout.stacks[g][0]
     leaves, treedef = jax.tree_util.tree_flatten(state.stacks[g])
     out = []
-    for a, nd in zip(leaves, _member_ndims(state, u, treedef)):
+    for a, nd in zip(leaves, member_ndims(state, u, treedef)):
         axis = np.ndim(a) - nd - 1
         shape = tuple(np.shape(a))
         out.append((shape[:axis] + shape[axis + 1:], jnp.dtype(a.dtype), axis))

@@ -12,8 +12,9 @@ are leaves, so changing one with `optim.adjust` changes data, never the compiled
 with `apply_all`: rules that look across parameters implement `apply_tree` over such stacks, every other rule's
 `apply` is vmapped. Such a rule's own `apply` is `apply_one` (a stack of one).
 
-The helpers below (`as_compute`, `_eps`, `_abs2`, ...) are the building blocks of the formulas in
-`optim._rules`: rules compute in the parameter's real dtype, but at least float32.
+The helpers below (`as_compute`, `eps_of`, `abs2`, ...) are the building blocks of the formulas in
+`optim._rules`, `optim._layerwise`, `optim._adafactor`, ... (public within the package): rules compute in the
+parameter's real dtype, but at least float32.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def apply_step(x: jax.Array, step: Any) -> jax.Array:
     if isinstance(step, Replace):
         return step.value.astype(x.dtype)
     if isinstance(step, Gated):
-        return _where(step.ok, apply_step(x, step.step), x)
+        return where_leading(step.ok, apply_step(x, step.step), x)
     return (x - step).astype(x.dtype)
 
 
-def _where(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+def where_leading(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.where` with `ok` aligned on the leading axes: a stacked group's gate has one entry per member."""
     ok = jnp.asarray(ok)
     return jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(a) - ok.ndim)), a, b)
@@ -160,24 +161,24 @@ class Rule:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _real(x: jax.Array):
+def real_dtype(x: jax.Array):
     """The real dtype of `x` (float32 for complex64)."""
     return jnp.finfo(x.dtype).dtype
 
 
-def _compute(x: jax.Array):
+def compute_dtype(x: jax.Array):
     """The dtype rules compute in: the parameter's real dtype, but at least float32 (in bfloat16 β₂ = 0.999
     rounds to 1 and Adam's bias correction divides by zero). States keep their own storage dtype."""
-    return jnp.promote_types(_real(x), jnp.float32)
+    return jnp.promote_types(real_dtype(x), jnp.float32)
 
 
 def as_compute(v: Any, x: jax.Array) -> jax.Array:
     """A hyperparameter as an array in the compute dtype of the parameter `x` (Optimisers.jl casts to the
-    parameter's dtype; here at least float32, see `_compute`)."""
-    return jnp.asarray(v, dtype=_compute(x))
+    parameter's dtype; here at least float32, see `compute_dtype`)."""
+    return jnp.asarray(v, dtype=compute_dtype(x))
 
 
-def _eps(eps: Any, x: jax.Array) -> jax.Array:
+def eps_of(eps: Any, x: jax.Array) -> jax.Array:
     """ε in the parameter's compute dtype, at least 1e-7 for 16-bit floats (Optimisers.jl #167)."""
     e = as_compute(eps, x)
     if jnp.finfo(x.dtype).bits <= 16:
@@ -185,7 +186,7 @@ def _eps(eps: Any, x: jax.Array) -> jax.Array:
     return e
 
 
-def _abs2(g: jax.Array) -> jax.Array:
+def abs2(g: jax.Array) -> jax.Array:
     """`|g|²`, real also for complex `g`."""
     return jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
 
@@ -193,15 +194,15 @@ def _abs2(g: jax.Array) -> jax.Array:
 def sum_squares(a: jax.Array, axis: Any = None) -> jax.Array:
     """`Σ|a|²` over `axis` (every axis by default), accumulated in float32 or wider (each square in `a`'s dtype):
     what the norms of `ClipGlobalNorm` and `update(..., return_stats=True)` add up."""
-    return jnp.sum(_abs2(a).astype(jnp.promote_types(_real(a), jnp.float32)), axis=axis)
+    return jnp.sum(abs2(a).astype(jnp.promote_types(real_dtype(a), jnp.float32)), axis=axis)
 
 
-def _zeros_real(x: jax.Array) -> jax.Array:
+def zeros_real(x: jax.Array) -> jax.Array:
     """Zeros of `x`'s shape in its real dtype (second moments of a complex parameter are real)."""
-    return jnp.zeros(x.shape, _real(x))
+    return jnp.zeros(x.shape, real_dtype(x))
 
 
-def _pair(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def pair_of(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A pair hyperparameter (`beta`, Rprop's `ell` and `gamma`) as two arrays in the compute dtype of `x`."""
     return as_compute(pair[0], x), as_compute(pair[1], x)
 

@@ -16,7 +16,7 @@ import numpy as np
 from ._adjust import select
 from ._stack import init_stack, reads_nothing
 from ._state import Layout, PathError, State, unwrap
-from ._tree import PyTree, _key_name, show
+from ._tree import PyTree, key_name, show
 from ._update import flatten_like
 
 
@@ -51,7 +51,7 @@ def _node_at(tree: Any, path: str) -> Any:
     for part in path.split(".") if path else []:
         children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[0]
         for kp, child in children:
-            if kp and _key_name(kp[0]) == part:
+            if kp and key_name(kp[0]) == part:
                 node = child
                 break
         else:

@@ -16,7 +16,7 @@ from ._cache import LRU
 PyTree = Any
 
 
-def _key_name(key: Any) -> str:
+def key_name(key: Any) -> str:
     if isinstance(key, jax.tree_util.DictKey):
         return str(key.key)
     if isinstance(key, jax.tree_util.GetAttrKey):
@@ -30,7 +30,7 @@ def _key_name(key: Any) -> str:
 
 def dotted(keypath: tuple) -> str:
     """`(DictKey('layers'), SequenceKey(0), GetAttrKey('w'))` -> `'layers.0.w'`."""
-    return ".".join(_key_name(k) for k in keypath)
+    return ".".join(key_name(k) for k in keypath)
 
 
 def unique_index(paths) -> dict[str, int]:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ._schedules import Hyper
-from ._step import (Gated, Replace, Rule, _real, _where, apply_all, apply_one, apply_step, as_compute,
+from ._step import (Gated, Replace, Rule, real_dtype, where_leading, apply_all, apply_one, apply_step, as_compute,
                     average_of, clip_factor, sum_squares)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
@@ -24,7 +24,7 @@ __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobal
 
 def _gate(new: Any, old: Any, ok: Any) -> Any:
     """`new` where `ok` (no gate: `None`), else `old`, leaf by leaf: the state of a stage after a `Gated` step."""
-    return new if ok is None else jax.tree.map(lambda a, b: _where(ok, a, b), new, old)
+    return new if ok is None else jax.tree.map(lambda a, b: where_leading(ok, a, b), new, old)
 
 
 # ----------------------------------------------------------------------------------------------- composition
@@ -279,7 +279,7 @@ class ClipGlobalNorm(Rule):
     def apply_tree(self, states, xs, dxs):
         g = [d[0] for d in dxs]
         norm = joint_norm(g)
-        return list(states), [d * clip_factor(as_compute(self.max_norm, d), norm.astype(_real(d))) for d in g]
+        return list(states), [d * clip_factor(as_compute(self.max_norm, d), norm.astype(real_dtype(d))) for d in g]
 
 
 class SkipNonFinite(Rule):
