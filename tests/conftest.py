@@ -39,3 +39,56 @@ def counted_update():
         return optim.update(state, model, grads)
 
     return step, traces
+
+
+# ------------------------------------------------------------------------------------------- background runs
+# The multi-device cases (`parallel_cases.py`, `zero1_cases.py`) run in subprocesses with their own device count.
+# When their test files are collected, they start as soon as collection ends, so that on a machine with two
+# cores they run beside the rest of the suite instead of after it (about a minute of `make test`). A test module
+# gets its record with `background_cases(script, tmp)`: it waits for the run started here, or runs the script
+# itself when none was started (a single test selected with -k, another runner).
+import json as _json  # noqa: E402
+import os as _os  # noqa: E402
+import pathlib as _pathlib  # noqa: E402
+import subprocess as _subprocess  # noqa: E402
+import sys as _sys  # noqa: E402
+import tempfile as _tempfile  # noqa: E402
+
+_HERE = _pathlib.Path(__file__).resolve().parent
+_BACKGROUND: dict = {}
+_SCRIPTS = {"test_parallel.py": "parallel_cases.py", "test_zero1.py": "zero1_cases.py"}
+
+
+def _start(script: str, out: _pathlib.Path) -> _subprocess.Popen:
+    env = {k: v for k, v in _os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return _subprocess.Popen([_sys.executable, str(_HERE / script), str(out)], env=env, stdout=_subprocess.PIPE,
+                             stderr=_subprocess.PIPE, text=True)
+
+
+def pytest_collection_finish(session):
+    wanted = {_SCRIPTS[item.path.name] for item in session.items if item.path.name in _SCRIPTS}
+    for script in sorted(wanted):
+        out = _pathlib.Path(_tempfile.mkdtemp(prefix="optim-bg-")) / "cases.json"
+        _BACKGROUND[script] = (_start(script, out), out)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc, _ in _BACKGROUND.values():     # a run nobody waited for (its tests deselected or failed early)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def background_cases(script: str, tmp: _pathlib.Path, timeout: float = 300) -> dict:
+    """The records `script` wrote: from the run started after collection, else from a run started now."""
+    proc, out = _BACKGROUND.pop(script, (None, None))
+    if proc is None:
+        out = tmp / "cases.json"
+        proc = _start(script, out)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except _subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"{script} failed:\n{stdout}\n{stderr[-6000:]}"
+    return _json.loads(out.read_text())

@@ -111,7 +111,7 @@ def test_matches_optax_adafactor_float64(name, kw, optax_kw):
         _run(kw, adafactor64(**optax_kw), check=check)
 
 
-@pytest.mark.parametrize("name, kw, optax_kw", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+@pytest.mark.parametrize("name, kw, optax_kw", CONFIGS[1:2], ids=[c[0] for c in CONFIGS[1:2]])
 def test_matches_optax_adafactor_alias(name, kw, optax_kw):
     """Against `optax.adafactor` itself over 30 steps: rtol 1e-6, and an atol of 1e-8 of the parameter's scale
     for the entries where its float32 ρ (a relative 1e-8 per step) shows in a small step."""

@@ -8,25 +8,19 @@ with single-device training on the whole batch (rtol 1e-5); tied positions must 
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from conftest import background_cases
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("parallel") / "cases.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, str(HERE / "parallel_cases.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"parallel_cases.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    # started in the background after collection when this file is collected (see conftest.background_cases)
+    return background_cases("parallel_cases.py", tmp_path_factory.mktemp("parallel"))
 
 
 def _check(cases: dict, name: str) -> dict:

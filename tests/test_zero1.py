@@ -9,27 +9,19 @@ The errors that need no devices are tested in test_state.py.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
-HERE = pathlib.Path(__file__).resolve().parent
+from conftest import background_cases
+
 SHARDED = {"emb": [2, 8], "mlp.b": [1], "mlp.w": [1, 8]}      # each device's piece of m and v: 1/8 on axis 0
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("zero1") / "cases.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, str(HERE / "zero1_cases.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"zero1_cases.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    # started in the background after collection when this file is collected (see conftest.background_cases)
+    return background_cases("zero1_cases.py", tmp_path_factory.mktemp("zero1"))
 
 
 def _check(cases: dict, name: str) -> dict:
