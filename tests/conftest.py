@@ -78,6 +78,15 @@ def pytest_sessionfinish(session, exitstatus):
             proc.kill()
 
 
+def case_record(cases: dict, name: str) -> dict:
+    """The record of case `name`, checked: it ran, trained the tied model 6 steps and matched one device."""
+    rec = cases[name]
+    assert rec["ok"], f"{name}: {rec.get('error')}\n{rec.get('traceback', '')}"
+    assert rec["tied"] and rec["step"] == 6
+    assert rec["max_abs_diff"] < 1e-4
+    return rec
+
+
 def background_cases(script: str, tmp: _pathlib.Path, timeout: float = 300) -> dict:
     """The records `script` wrote: from the run started after collection, else from a run started now."""
     proc, out = _BACKGROUND.pop(script, (None, None))

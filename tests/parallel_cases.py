@@ -328,9 +328,15 @@ def main(out_path: str) -> None:
     ref = single_device()
     results["single_device"] = {"ok": True, "seconds": round(time.perf_counter() - t0, 2),
                                 "cpu_seconds": round(time.process_time() - c0, 2)}
-    for name, fn in [("pmap", case_pmap), ("jit_sharded", case_jit_sharded), ("shard_map", case_shard_map),
-                     ("shard_map_vma", case_shard_map_vma),
-                     ("fsdp", case_fsdp), ("checkpoint_sharded", case_checkpoint_sharded)]:
+    run_cases([("pmap", case_pmap), ("jit_sharded", case_jit_sharded), ("shard_map", case_shard_map),
+               ("shard_map_vma", case_shard_map_vma),
+               ("fsdp", case_fsdp), ("checkpoint_sharded", case_checkpoint_sharded)], ref, results, out_path)
+
+
+def run_cases(cases: list, ref, results: dict, out_path: str) -> None:
+    """Run each `(name, fn)` of `cases` on the single-device reference, recording its result or its error (the
+    pytest side asserts on the records, so one failing case does not hide the others), and write the records."""
+    for name, fn in cases:
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             rec = fn(ref)

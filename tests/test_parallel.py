@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from conftest import background_cases
+from conftest import background_cases, case_record
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -23,12 +23,7 @@ def cases(tmp_path_factory) -> dict:
     return background_cases("parallel_cases.py", tmp_path_factory.mktemp("parallel"))
 
 
-def _check(cases: dict, name: str) -> dict:
-    rec = cases[name]
-    assert rec["ok"], f"{name}: {rec.get('error')}\n{rec.get('traceback', '')}"
-    assert rec["tied"] and rec["step"] == 6
-    assert rec["max_abs_diff"] < 1e-4
-    return rec
+_check = case_record
 
 
 def test_pmap_pmean_replicated_state_tied_model(cases):

@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import optim
-from conftest import close
+from conftest import close, counted_update
 
 
 # =============================================================================================== helpers
@@ -1416,15 +1416,12 @@ def test_schedule_free_none_gradient_does_not_advance_that_parameter():
                                                           "weight_lr_power": 1.0, "weight_decay": 0.1}]),
     (lambda: O.Muon(0.02, consistent_rms=0.2), [{"lr": 0.001}, {"rho": 0.5, "eps": 1e-6, "weight_decay": 0.1,
                                                                 "consistent_rms": 0.3}]),
-], ids=["Lamb", "Lars", "ScheduleFreeAdamW", "Muon"])
+    (lambda: O.Adafactor(0.01, momentum=0.9, min_dim_size_to_factor=2),
+     [{"lr": 0.1}, {"decay_rate": 0.5, "momentum": 0.5, "weight_decay": 0.1, "clipping_threshold": 2.0,
+                    "eps": 1e-20, "min_scale": 1e-2, "decay_offset": 0}]),
+], ids=["Lamb", "Lars", "ScheduleFreeAdamW", "Muon", "Adafactor"])
 def test_adjust_new_rules_never_retraces(make, changes):
-    traces = []
-
-    @jax.jit
-    def step(state, model, grads):
-        traces.append(1)
-        return optim.update(state, model, grads)
-
+    step, traces = counted_update()
     model = {"w": jnp.ones((2, 3)), "b": vec(0.5, -0.5)}
     grads = {"w": jnp.full((2, 3), 0.3), "b": vec(1.0, -2.0)}
     if isinstance(make(), O.Muon):                           # matrices only

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import background_cases
+from conftest import background_cases, case_record
 
 SHARDED = {"emb": [2, 8], "mlp.b": [1], "mlp.w": [1, 8]}      # each device's piece of m and v: 1/8 on axis 0
 
@@ -24,12 +24,7 @@ def cases(tmp_path_factory) -> dict:
     return background_cases("zero1_cases.py", tmp_path_factory.mktemp("zero1"))
 
 
-def _check(cases: dict, name: str) -> dict:
-    rec = cases[name]
-    assert rec["ok"], f"{name}: {rec.get('error')}\n{rec.get('traceback', '')}"
-    assert rec["tied"] and rec["step"] == 6
-    assert rec["max_abs_diff"] < 1e-4
-    return rec
+_check = case_record
 
 
 def _moment_shards(rec: dict) -> dict:

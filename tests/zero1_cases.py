@@ -15,11 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_cases as pc  # noqa: E402  (first: sets XLA_FLAGS before JAX starts)
 
-import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -385,18 +383,7 @@ def main(out_path: str) -> None:
              ("zero1_eager", case_zero1_eager), ("zero1_stacked", case_zero1_stacked),
              ("zero1_mixed_specs", case_zero1_mixed_specs), ("zero1_errors", case_zero1_errors),
              ("readme_zero1", case_readme_zero1)]
-    for name, fn in cases:
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            rec = fn(ref)
-            rec["ok"] = True
-        except Exception as e:  # recorded, asserted on by the pytest side
-            rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        rec["seconds"] = round(time.perf_counter() - t0, 2)
-        rec["cpu_seconds"] = round(time.process_time() - c0, 2)
-        results[name] = rec
-    with open(out_path, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    pc.run_cases(cases, ref, results, out_path)
 
 
 if __name__ == "__main__":
