@@ -73,7 +73,7 @@ def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     if isinstance(state, State):
         lay = state.layout
         rules = _swapped_in(lay, state.rules, rules, [p.rule for p in lay.params], hyper)
-        return State(lay, rules, state.stacks, state.step)
+        return state.replace(layout=lay, rules=rules)
     return rules[0]
 
 
@@ -129,7 +129,7 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
     _check_used(hyper, used, tuple(state.rules[r] for r in sorted({lay.params[u].rule for u in chosen})))
     rules = _swapped_in(lay, state.rules, tuple(rules), rule_of, hyper)
     if len(rules) == len(state.rules):
-        return State(lay, rules, state.stacks, state.step)
+        return state.replace(layout=lay, rules=rules)
     params = tuple(p if p.rule == r else dataclasses.replace(p, rule=r) for p, r in zip(lay.params, rule_of))
     layout = Layout(lay.treedef, params, lay.frozen)
     if "paths" in lay.__dict__:

@@ -120,11 +120,11 @@ def _param_states(state: State) -> list:
     """One optimiser state per parameter. The file stores them per parameter (not per stack), so it
     does not depend on how a version of optim groups parameters. Stacks are fetched to the host once and sliced
     there, when this process can see all of them."""
-    stacks = state.stacks
+    stored = (state.stored, state.packs)
     if all(not isinstance(a, jax.Array) or (a.is_fully_addressable and not isinstance(a, jax.core.Tracer))
-           for a in jax.tree.leaves(stacks)):
-        stacks = jax.device_get(stacks)
-    return State(state.layout, state.rules, stacks, state.step).param_states()
+           for a in jax.tree.leaves(stored)):
+        stored = jax.device_get(stored)
+    return State(state.layout, state.rules, stored[0], state.step, stored[1]).param_states()
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -432,7 +432,12 @@ class _Plan:
         step = _place_like(jnp.asarray(arrays[self.meta["step"]["array"]], jnp.int32), self.like.step)
         state = State.of_params(self.layout, rules, states, step)
         if self.layout == self.like.layout:     # stacks go where like='s are (the same shardings, spelled alike)
-            state = State(self.layout, rules, jax.tree.map(_place_like, state.stacks, self.like.stacks), step)
+            ours, like = (state.stored, state.packs), (self.like.stored, self.like.packs)
+            if jax.tree.structure(ours) == jax.tree.structure(like):
+                stored, packs = jax.tree.map(_place_like, ours, like)
+                state = State(self.layout, rules, stored, step, packs)
+            else:
+                state = State(self.layout, rules, jax.tree.map(_place_like, state.stacks, self.like.stacks), step)
         if self.like_leaves is None:
             return state
         return state, self.like.layout.treedef.unflatten([v.value for v in model_parts])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._moments import bt_init, bt_next, load, moments, mu_zeros, StateDtypes
+from ._moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes
 from ._rules import AdamState
 from ._schedules import Hyper
 from ._step import Rule, abs2, eps_of, zeros_real, as_compute
@@ -251,8 +251,9 @@ class Lamb(Rule):
     def apply(self, state, x, dx, *dxs):
         m, v, bt = state
         m, v = moments(self.beta, m, v, dx, x)
-        vhat = v / (1 - bt[1]) + as_compute(self.eps_root, x)
-        u = m / (1 - bt[0]) / (jnp.sqrt(vhat) + eps_of(self.eps, x)) + as_compute(self.weight_decay, x) * x
+        c1, c2 = debias(bt)
+        vhat = v * c2 + as_compute(self.eps_root, x)
+        u = m * c1 / (jnp.sqrt(vhat) + eps_of(self.eps, x)) + as_compute(self.weight_decay, x) * x
         lr = as_compute(self.lr, x)
         step = (lr * _trust_ratio(x, u, jnp.ones((), lr.dtype), jnp.zeros((), lr.dtype))) * u
         return AdamState(m, v, bt_next(bt, self.beta, x)), step

@@ -21,7 +21,8 @@ import numpy as np
 
 from ._step import abs2, compute_dtype, pair_of, real_dtype
 
-__all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next"]
+__all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next",
+           "debias"]
 
 
 # ----------------------------------------------------------------------------------------------- storage dtypes
@@ -91,6 +92,14 @@ def moments(beta, m, v, dx, x):
 def bt_init(beta, x):
     """The running powers (β₁ᵗ, β₂ᵗ) at t = 1, as one array: one buffer and one kernel per parameter, not two."""
     return jnp.stack(pair_of(beta, x))
+
+
+def debias(bt):
+    """The bias corrections as factors, `(1 / (1 - bt₁), 1 / (1 - bt₂))`. Rules multiply by them rather than
+    divide: XLA rewrites a division by a broadcast number into this multiplication anyway, and written so the
+    factors are per-parameter numbers that `update` computes for a whole pack of parameters at once
+    (`optim._hoist`), not one tiny kernel each."""
+    return 1 / (1 - bt[0]), 1 / (1 - bt[1])
 
 
 def bt_next(bt, beta, x):

@@ -512,7 +512,7 @@ def with_extra_args(state: State, **extra_args: Any) -> State:
             merged[k] = v.astype(o.dtype) if same else v    # keep the abstract type: no retrace
         return replace_fields(r, {"extra_args": merged or None})
 
-    return State(state.layout, _map_from_optax(state.rules, put), state.stacks, state.step)
+    return state.replace(rules=_map_from_optax(state.rules, put))
 
 
 # ------------------------------------------------------------------------------------------ to_optax
@@ -620,7 +620,7 @@ def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
         run = with_extra_args(state, **extra) if extra and inner else state
         new_state, new_params = update(run, params, updates, *trees)
         # Extra arguments are for this call only: keep the state's structure (and a scan's carry) unchanged.
-        new_state = State(new_state.layout, state.rules, new_state.stacks, new_state.step)
+        new_state = new_state.replace(rules=state.rules)
         return jax.tree.map(_delta, new_params, params, is_leaf=lambda v: v is None), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

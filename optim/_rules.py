@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._moments import bt_init, bt_next, load, moments, mu_zeros, nu_zeros, StateDtypes, store
+from ._moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from ._schedules import Hyper
 from ._step import Rule, abs2, eps_of, pair_of, real_dtype, zeros_real, as_compute, clip_factor
 
@@ -342,7 +342,8 @@ class Adam(StateDtypes, Rule):
     def apply(self, state, x, dx, *dxs):
         bt = state[2]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
-        step = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x)) * as_compute(self.lr, x)
+        c1, c2 = debias(bt)
+        step = m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * as_compute(self.lr, x)
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
@@ -395,8 +396,9 @@ class RAdam(StateDtypes, Rule):
         rho_inf = 2 / (1 - b2) - 1
         rho = rho_inf - 2 * t.astype(b2.dtype) * bt[1] / (1 - bt[1])
         r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
-        lr, mhat = as_compute(self.lr, x), m / (1 - bt[0])
-        step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x)) * lr, mhat * lr)
+        c1, c2 = debias(bt)
+        lr, mhat = as_compute(self.lr, x), m * c1
+        step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * lr, mhat * lr)
         return RAdamState(*store((m, v), state), bt_next(bt, self.beta, x), t + 1), step
 
 
@@ -475,7 +477,8 @@ class OAdam(Rule):
     def apply(self, state, x, dx, *dxs):
         m, v, bt, prev = state
         m, v = moments(self.beta, m, v, dx, x)
-        term = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x))
+        c1, c2 = debias(bt)
+        term = as_compute(self.lr, x) * m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x))
         return OAdamState(m, v, bt_next(bt, self.beta, x), term), 2 * term - prev
 
 
@@ -648,8 +651,9 @@ class NAdam(StateDtypes, Rule):
         bt = state[2]
         b1, b2 = pair_of(self.beta, x)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
-        num = b1 * m / (1 - b1 * bt[0]) + (1 - b1) * dx / (1 - bt[0])
-        step = num / (jnp.sqrt(v * b2 / (1 - bt[1])) + eps_of(self.eps, x)) * as_compute(self.lr, x)
+        # Factors of m and g, not divisions: per-parameter numbers (see `debias`).
+        num = m * (b1 / (1 - b1 * bt[0])) + dx * ((1 - b1) / (1 - bt[0]))
+        step = num / (jnp.sqrt(v * (b2 / (1 - bt[1]))) + eps_of(self.eps, x)) * as_compute(self.lr, x)
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
@@ -701,7 +705,8 @@ class AdamW(StateDtypes, Rule):
         bt = state[2]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         # Optimisers.jl: the inner Adam uses the raw ε, floored like every other rule for 16-bit floats here.
-        a = m / (1 - bt[0]) / (jnp.sqrt(v / (1 - bt[1])) + eps_of(self.eps, x))
+        c1, c2 = debias(bt)
+        a = m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x))
         lr, wd = as_compute(self.lr, x), as_compute(self.weight_decay, x)
         step = lr * (a + wd * x) if self.couple else lr * a + wd * x
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
@@ -753,7 +758,8 @@ class AdaBelief(StateDtypes, Rule):
         eps = eps_of(self.eps, x)
         m = b1 * m + (1 - b1) * dx
         s = b2 * s + (1 - b2) * abs2(dx - m) + eps
-        step = as_compute(self.lr, x) * m / (1 - bt[0]) / (jnp.sqrt(s / (1 - bt[1])) + eps)
+        c1, c2 = debias(bt)
+        step = as_compute(self.lr, x) * m * c1 / (jnp.sqrt(s * c2) + eps)
         return AdaBeliefState(*store((m, s), state), bt_next(bt, self.beta, x)), step
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cache import LRU
+from ._pack import fill, pack
 from ._stack import make_stacks, place_stack, row_index, stack_states
 from ._tree import describe, flatten, match_positions, show, suggest, unique_index
 
@@ -184,27 +185,52 @@ class State:
     canonical parameter's leaf). The state is a pytree: pass it through `jax.jit`, `pmap`, `vmap` as usual.
     """
 
-    __slots__ = ("layout", "rules", "stacks", "step")
+    __slots__ = ("layout", "rules", "stored", "packs", "step", "_stacks")
 
-    def __init__(self, layout: Layout, rules: tuple, stacks: tuple, step: Any):
+    def __init__(self, layout: Layout, rules: tuple, stacks: tuple, step: Any, packs: tuple | None = None):
         self.layout = layout
         self.rules = rules      # one entry per distinct rule; Param.rule indexes into it
-        self.stacks = stacks    # per stack (Layout.stacks): its parameters' states, stacked on axis 0
         self.step = step        # number of update calls so far: what schedules are evaluated at
+        if packs is None:       # per-stack trees, as `stacks` returns them: the small leaves get packed
+            self._stacks = stacks
+            self.stored, self.packs = pack(layout, stacks, _member_shapes(layout, rules, stacks))
+        else:                   # the stored form: stacks with `Packed` placeholders, and the packs
+            self._stacks = None
+            self.stored, self.packs = stacks, packs
+
+    @property
+    def stacks(self) -> tuple:
+        """Per stack (`Layout.stacks`): its parameters' states, stacked on axis 0 (the packed small leaves read
+        back from `packs`; see `optim._pack`)."""
+        if self._stacks is None:
+            self._stacks = tuple(fill(s, self.packs) for s in self.stored)
+        return self._stacks
+
+    def stack(self, g: int) -> Any:
+        """`self.stacks[g]`, reading back only that stack's packed rows."""
+        return self._stacks[g] if self._stacks is not None else fill(self.stored[g], self.packs)
+
+    def replace(self, layout: Layout | None = None, rules: tuple | None = None, step: Any = None) -> "State":
+        """This state with another layout (same stacks), rules or step; the arrays are shared, not copied."""
+        lay = layout if layout is not None else self.layout
+        out = State(lay, self.rules if rules is None else rules, self.stored, self.step if step is None else step,
+                    self.packs)
+        out._stacks = self._stacks
+        return out
 
     @classmethod
     def of_params(cls, layout: Layout, rules: tuple, states: list, step: Any) -> "State":
         """A state from one optimiser state per parameter (in `layout.params` order), stacked per stack."""
-        self = cls(layout, rules, (), step)
-        self.stacks = tuple(self._placed(k, stack_states([states[u] for u in g])) for k, g in enumerate(layout.stacks))
-        return self
+        self = cls(layout, rules, (), step, ())
+        stacks = tuple(self._placed(k, stack_states([states[u] for u in g])) for k, g in enumerate(layout.stacks))
+        return cls(layout, rules, stacks, step)
 
     def param_state(self, u: int) -> Any:
         """The optimiser state of parameter `u`: its row of its stack (numpy stays numpy). A state
         that went through `vmap` / `pmap` (`jax.tree.map(lambda a: jnp.stack([a, a]), state)`) has extra
         leading axes; they are kept, and the row is taken on the stack's axis after them."""
         g, k = self.layout.slot[u]
-        stack = self.stacks[g]
+        stack = self.stack(g)
         leaves, treedef = jax.tree_util.tree_flatten(stack)
         extra = [np.ndim(a) - d for a, d in zip(leaves, member_ndims(self, u, treedef))]
         return treedef.unflatten([a[(slice(None),) * (e - 1) + (k,)] for a, e in zip(leaves, extra)])
@@ -257,7 +283,8 @@ class State:
 
     def tree_flatten_with_keys(self):
         k = jax.tree_util.GetAttrKey
-        return ((k("rules"), self.rules), (k("stacks"), self.stacks), (k("step"), self.step)), self.layout
+        return ((k("rules"), self.rules), (k("stacks"), self.stored), (k("step"), self.step),
+                (k("packs"), self.packs)), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
@@ -335,7 +362,7 @@ def member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
         except Exception:    # an init that cannot be traced: assume no batch axes
             nd = None
         if nd is None:
-            nd = tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stacks[state.layout.slot[u][0]]))
+            nd = tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stack(state.layout.slot[u][0])))
         _NDIMS[key] = nd
     return nd
 
@@ -379,5 +406,32 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
     for u in params:
         frozen[u] = value
     lay = state.layout
-    return State(Layout(lay.treedef, lay.params, tuple(frozen)), state.rules, state.stacks, state.step)
+    return state.replace(layout=Layout(lay.treedef, lay.params, tuple(frozen)))
 
+
+
+# 4096 (rule structure, shape, dtype): a large model has hundreds of distinct parameter kinds.
+_SHAPES = LRU(4096)
+
+
+def _member_shapes(layout: Layout, rules: tuple, stacks: tuple) -> list:
+    """Per stack: one parameter's shape of each state leaf (flatten order), from the rule's init traced
+    abstractly (cached per rule structure, shape and dtype); None where that is unknown or the stack's
+    structure differs."""
+    out = []
+    for g, stack in zip(layout.stacks, stacks):
+        p = layout.params[g[0]]
+        rule = unwrap(rules[p.rule]) if p.rule < len(rules) else None
+        key = (jax.tree.structure(rule), p.shape, p.dtype)
+        got = _SHAPES.get(key)
+        if got is None:
+            try:
+                leaves, treedef = jax.tree_util.tree_flatten(
+                    jax.eval_shape(rule.init, jax.ShapeDtypeStruct(p.shape, p.dtype)))
+                got = (treedef, tuple(tuple(a.shape) for a in leaves))
+            except Exception:    # an init that cannot be traced abstractly: store its state as it is
+                got = (None, None)
+            _SHAPES[key] = got
+        treedef, shapes = got
+        out.append(shapes if treedef is not None and jax.tree.structure(stack) == treedef else None)
+    return out

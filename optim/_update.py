@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _hoist as hoist
+from ._adjust import looks_across
 from ._cache import LRU
+from ._pack import assemble, fill, replace_groups, split
 from ._schedules import resolve
 from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
@@ -110,14 +113,15 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     k = 1 if donate else 0
     run = prog.jitted[k] or _jitted(prog, k)
     try:
-        new_stacks, new_params, step, summed, norms = run(
-            (bool(return_grads), bool(return_stats)), state.rules, _take(state.stacks, prog.step_stacks),
-            _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
+        new_stacks, new_packs, new_params, step, summed, norms = run(
+            (bool(return_grads), bool(return_stats)), state.rules, _take(state.stored, prog.step_stacks),
+            state.packs, _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
         raise
     new_leaves = _take(new_params + tuple(leaves), prog.out_src)
-    out = (State(state.layout, state.rules, _take(new_stacks + state.stacks, prog.stack_src), step),
+    out = (State(state.layout, state.rules, _take(new_stacks + state.stored, prog.stack_src), step,
+                 replace_groups(state.packs, new_packs)),
            treedef.unflatten(new_leaves))
     if return_grads:
         out += (_grad_tree(prog, summed, treedef),)
@@ -211,7 +215,7 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
     lay = state.layout
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
-    key = (lay, *(d for _, d in flat))
+    key = (lay, hoist.ENABLED, *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = _program(lay, trees, who)
@@ -357,8 +361,8 @@ def _same_dtypes(new: Any, old: Any) -> Any:
                         new, old)
 
 
-def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, params: tuple, checks: tuple,
-          grads: tuple, step: Any):
+def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, packs: tuple, params: tuple,
+          checks: tuple, grads: tuple, step: Any):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
         _check_param(x, lay, i)
@@ -379,20 +383,36 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
     new_params: list = [None] * len(prog.stepping)
     want_grads, want_stats = wants
     squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
+    pack_rows: list = []      # new rows of the packs (see optim._pack), from the stacks that step
     for r, js in by_rule.items():
         # Each stack runs as one: its stepping rows of state, parameters and summed gradients.
-        olds, xs, dxs = [], [], []
+        xs, dxs = [], []
         for j in js:
             rows, gi, _ = prog.stack_plan[j]
-            olds.append(take_rows(stacks[j], rows, len(lay.stacks[prog.step_stacks[j]])))
             xs.append(stack_arrays([params[i] for i in gi]))
             # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
             dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
-        sts, steps = apply_all(rules[r], olds, xs, dxs)
-        for j, old, st, d in zip(js, olds, sts, steps):
+        # Stacks whose small state leaves are packed run the rule's arithmetic on them once per pack (optim._hoist);
+        # the others, and rules that look across parameters (whose `apply` sees one parameter), run per stack.
+        hoisted = [None] * len(js)
+        if packs and hoist.ENABLED and looks_across(rules[r]) is None:
+            hoisted, written = hoist.run(rules[r], [stacks[j] for j in js], [prog.stack_plan[j][0] for j in js],
+                                         [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, dxs, packs)
+            pack_rows += written
+        rest = [k for k, h in enumerate(hoisted) if h is None]
+        olds = {k: take_rows(stacks[js[k]] if hoisted[k] else fill(stacks[js[k]], packs), prog.stack_plan[js[k]][0],
+                             len(lay.stacks[prog.step_stacks[js[k]]])) for k in range(len(js))}
+        sts, steps = apply_all(rules[r], [olds[k] for k in rest], [xs[k] for k in rest], [dxs[k] for k in rest])
+        for k, st, d in zip(rest, sts, steps):
+            hoisted[k] = (st, d)
+        for k, (j, (st, d)) in enumerate(zip(js, hoisted)):
             rows, gi, ai = prog.stack_plan[j]
             n = len(lay.stacks[prog.step_stacks[j]])
-            new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, old), n)
+            base = stacks[j] if k not in rest else fill(stacks[j], packs)
+            new_stacks[j] = put_rows(base, rows, _same_dtypes(st, olds[k]), n)
+            if k in rest:     # its packed rows go back into the packs
+                new_stacks[j], written = split(stacks[j], new_stacks[j])
+                pack_rows += written
             # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
             # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
             # requested sharding and the parameters to the sharding they had at setup (an all-gather per
@@ -411,11 +431,13 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
                 # Reductions per stack over its gradients, old and new values (the new ones as written, so the
                 # step is not recomputed): a few kernels per stack, not per parameter.
                 squares[j] = _row_squares(dx[0], x, stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
+    new_packs = assemble(packs, pack_rows)
     copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     norms = _norms(prog, squares, params, checks) if want_stats else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
-    return (tuple(new_stacks), tuple(new_params) + tuple(copies), jnp.asarray(step, jnp.int32) + jnp.int32(1),
+    return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies),
+            jnp.asarray(step, jnp.int32) + jnp.int32(1),
             grads_out, norms)
 
 
@@ -488,14 +510,14 @@ def _jitted(prog: Program, k: int) -> Any:
     if k == 2:
         f = jax.jit(functools.partial(_sums_of, ref))
     else:
-        f = jax.jit(functools.partial(_core_of, ref), static_argnums=0, donate_argnums=(2, 3) if k else ())
+        f = jax.jit(functools.partial(_core_of, ref), static_argnums=0, donate_argnums=(2, 4) if k else ())
     prog.jitted[k] = f
     return f
 
 
-def _core_of(ref: weakref.ref, wants: tuple[bool, bool], rules: tuple, stacks: tuple, params: tuple,
-             checks: tuple, grads: tuple, step: Any):
-    return _core(ref(), wants, rules, stacks, params, checks, grads, step)
+def _core_of(ref: weakref.ref, wants: tuple[bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+             params: tuple, checks: tuple, grads: tuple, step: Any):
+    return _core(ref(), wants, rules, stacks, packs, params, checks, grads, step)
 
 
 def _sums_of(ref: weakref.ref, xs: tuple, grads: tuple) -> tuple:

@@ -151,7 +151,7 @@ def test_every_module_cache_is_a_bounded_lru():
         "_update._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
         "_checkpoint_format._DTYPE_NAMES": 64, "_optax._CHECKED": 1024, "_optax._factory_class": 1024,
         "_stack._default_sharding": 1, "_state._NDIMS": 4096, "_state_dict._stacker": 256,
-        "_average._averager": 32, "_tree._INEXACT": 64}
+        "_average._averager": 32, "_tree._INEXACT": 64, "_hoist._SPLITS": 1024, "_state._SHAPES": 4096}
     # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
     src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.glob("*.py") if p.name != "_cache.py")
     assert not re.findall(r"functools\.cache\b|lru_cache\(|OrderedDict\(|\.clear\(\)", src)

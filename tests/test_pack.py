@@ -1,0 +1,181 @@
+"""Packed small state leaves (`optim._pack`) and hoisted scalar arithmetic (`optim._hoist`).
+
+Packing changes only how the state is stored, and hoisting only where XLA computes a rule's per-parameter
+numbers: every result must equal the plain path (each stack runs its whole rule, `_hoist.ENABLED = False`) to a
+few ulp of each array's scale, through `None` gradients, frozen and tied parameters, stacked and single groups. The compiled program
+is checked for size (kernels and copies per parameter, against optax's), not for time.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optim
+from bench.program import entry_counts
+from optim import _hoist, _pack
+
+BIG = 8200          # above optim._stack.STACK_MAX_SIZE: each such parameter is alone in its stack
+
+
+def model():
+    k = iter(jax.random.split(jax.random.PRNGKey(0), 12))
+    emb = jax.random.normal(next(k), (BIG,))
+    return {"emb": emb, "head": emb,                                       # tied
+            "big": [jax.random.normal(next(k), (BIG,)) for _ in range(3)],  # alone in their stacks
+            "mat": jax.random.normal(next(k), (90, 100)),                  # alone, another shape
+            "small": [jax.random.normal(next(k), (5,)) for _ in range(4)],   # one stack of 4
+            "s": jnp.float32(0.5)}                                         # a scalar
+
+
+def grads_at(t, m):
+    g = jax.tree.map(lambda a: jnp.cos(a * (t + 1)) * 0.3 + 0.01 * t, m)
+    if t % 3 == 1:
+        g["big"][1] = None                   # one single-member stack does not step
+        g["small"][2] = None                 # one row of a stack does not step
+    if t % 3 == 2:
+        g["emb"] = None                      # half a tie still steps (the head's gradient)
+    return g
+
+
+RULES = {
+    "Adam": optim.Adam(0.01),
+    "NAdam": optim.NAdam(0.01),
+    "RAdam": optim.RAdam(0.01),
+    "AdaBelief": optim.AdaBelief(0.01),
+    "Lamb": optim.Lamb(0.01),
+    "Adafactor": optim.Adafactor(0.01, momentum=0.9),
+    "Muon for mat, AdaMax for the rest": optim.by_path({"mat": optim.Muon(0.01), "*": optim.AdaMax(0.01)}),
+    "Adam bf16 moments": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "Adam schedule": optim.Adam(optim.WSD(0.01, 2, 2, 4), eps=optim.Exponential(1e-3, 0.5, 2)),
+    "chain(AccumGrad, Adam)": optim.chain(optim.AccumGrad(2), optim.Adam(0.01)),
+    "EMA(Adam)": optim.EMA(optim.Adam(0.01), 0.9),
+    "SkipLargeUpdates(Adam)": optim.SkipLargeUpdates(optim.Adam(0.01), warmup=2),
+    "chain(ClipGlobalNorm, Adam)": optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(0.01)),
+    "chain(ClipNorm, OAdam, Scale)": optim.chain(optim.ClipNorm(1.0), optim.OAdam(0.01), optim.Scale(0.5)),
+}
+
+
+def train(rule, jit, steps=4, freeze=None):
+    m = model()
+    state = optim.setup(rule, m)
+    if freeze:
+        state = optim.freeze(state, freeze)
+    step = jax.jit(optim.update) if jit else optim.update
+    for t in range(steps):
+        state, m = step(state, m, grads_at(t, m))
+    return state, m
+
+
+def assert_ulp(a, b, ulps=4):
+    """Equal to within a few ulp of each array's scale (its largest magnitude). Only XLA's choices differ between
+    the paths (where a fusion ends, hence where a multiply-add is contracted), which moves a result by an ulp;
+    near zero, in cancelling sums such as a moment's `β m + (1 - β) g`, one ulp of the inputs is many of the
+    result's own."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if not np.issubdtype(x.dtype, np.inexact) and x.dtype != jnp.bfloat16:
+            np.testing.assert_array_equal(x, y)
+            continue
+        eps = float(jnp.finfo(x.dtype).eps)
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        np.testing.assert_allclose(x, y, rtol=ulps * eps, atol=ulps * eps * max(np.abs(y).max(), 1e-30))
+
+
+@pytest.fixture
+def plain(monkeypatch):
+    def run(*args, **kw):
+        with monkeypatch.context() as mp:
+            mp.setattr(_hoist, "ENABLED", False)
+            return train(*args, **kw)
+    return run
+
+
+# Rules that look across parameters run per stack, reading and writing their packed rows.
+NOT_HOISTED = {"chain(ClipGlobalNorm, Adam)", "SkipLargeUpdates(Adam)"}   # they look across parameters
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_hoisted_equals_plain(name, plain, monkeypatch):
+    rule = RULES[name]
+    want_state, want_model = plain(rule, jit=False, freeze="big.2")
+    hoisted = []
+    run = _hoist.run
+
+    def counted(*args):
+        out = run(*args)
+        hoisted.extend(r for r in out[0] if r is not None)
+        return out
+
+    monkeypatch.setattr(_hoist, "run", counted)
+    state, m = train(rule, jit=False, freeze="big.2")
+    assert_ulp(m, want_model)
+    assert_ulp(state.stacks, want_state.stacks)
+    assert m["emb"] is m["head"]
+    assert bool(hoisted) == (name not in NOT_HOISTED)
+
+
+@pytest.mark.parametrize("name", ["Adam", "chain(AccumGrad, Adam)"])
+def test_hoisted_equals_plain_in_users_jit(name, plain):
+    want_state, want_model = plain(RULES[name], jit=True)
+    state, m = train(RULES[name], jit=True)
+    assert_ulp((m, state.stacks), (want_model, want_state.stacks))
+
+
+def test_adam_state_is_packed_and_reads_back():
+    state = optim.setup(optim.Adam(0.01), model())
+    # emb, big.0-2 and mat are alone in their stacks: their bt rows share one pack; the small stack's is another
+    # pack of its own (a different stack structure: rows of 4), the scalar's bt is packed too (shape (2,) != ()).
+    bts = [s.bt for s in state.stored if isinstance(s.bt, _pack.Packed)]
+    assert len(bts) == len(state.stored)
+    assert {(b.group, b.stop - b.start) for b in bts} >= {(bts[0].group, 1)}
+    assert sum(np.shape(p[0])[0] for p in state.packs) == len(state)   # one row per parameter
+    np.testing.assert_allclose(state["big.1"].state.bt, [0.9, 0.999])
+    state, m = optim.update(state, model(), grads_at(1, model()))    # big.1 and small.2 take no step
+    np.testing.assert_allclose(state["big.1"].state.bt, [0.9, 0.999])
+    np.testing.assert_allclose(state["big.0"].state.bt, [0.81, 0.999 ** 2], rtol=1e-6)
+    np.testing.assert_allclose(state["small.2"].state.bt, [0.9, 0.999])
+    np.testing.assert_allclose(state["small.3"].state.bt, [0.81, 0.999 ** 2], rtol=1e-6)
+
+
+def test_packs_hold_at_most_64_rows():
+    m = {f"w{i}": jnp.full((BIG,), float(i)) for i in range(70)}
+    state = optim.setup(optim.Adam(0.01), m)
+    assert [np.shape(p[0]) for p in state.packs] == [(64, 2), (6, 2)]
+    state, m2 = optim.update(state, m, {k: (None if k == "w65" else jnp.ones(BIG)) for k in m})
+    assert [np.shape(p[0]) for p in state.packs] == [(64, 2), (6, 2)]
+    np.testing.assert_allclose(state["w65"].state.bt, [0.9, 0.999])
+    np.testing.assert_allclose(state["w66"].state.bt, [0.81, 0.999 ** 2], rtol=1e-6)
+
+
+def test_vmapped_state_reads_back():
+    m = {"a": jnp.ones(BIG), "b": jnp.ones(BIG)}
+    state = optim.setup(optim.Adam(0.1), m)
+    two = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), state)       # batch axes in front of the packs
+    assert np.shape(two["b"].state.bt) == (2, 2)
+    np.testing.assert_allclose(two["b"].state.bt[1], [1.8, 1.998])
+
+
+def counts(f, *args):
+    return entry_counts(f.lower(*args).compile().as_text())
+
+
+def test_program_no_bigger_than_optax():
+    """4 parameters of 16k floats, each alone in its stack, one user-jitted donated Adam step. Before packing:
+    26 fusions, 4 copies and 25 inputs against optax's 15, 0 and 17 (a bias-correction array per parameter)."""
+    m = {f"w{i}": jnp.ones(16384) * (i + 1) for i in range(4)}
+    g = jax.tree.map(lambda a: a * 0.1, m)
+    ours = counts(jax.jit(optim.update, donate_argnums=(0, 1)), optim.setup(optim.Adam(1e-3), m), m, g)
+    tx = optax.adam(1e-3)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    theirs = counts(jax.jit(step, donate_argnums=(0, 1)), m, tx.init(m), g)
+    assert theirs["fusions"] == 15 and theirs["copies"] == 0 and theirs["inputs"] == 17
+    # Per parameter the same 3 kernels as optax (moments, new value); per model optax has 3 scalar kernels (count
+    # and powers), optim 4 (step counter, the pack's powers, the pack's corrections). One copy of the one pack.
+    # Inputs: optax's 16 arrays and count; optim's 16 arrays, step, pack and the 4 hyperparameters.
+    assert ours["fusions"] <= theirs["fusions"] + 1 and ours["copies"] <= 1 and ours["inputs"] == 22
