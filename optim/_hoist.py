@@ -6,15 +6,17 @@ moments, the step) and arithmetic over a few numbers (the bias corrections `1 / 
 kernels per parameter (a division is not duplicated into the element loop that reads it), which on a model of
 1000 large parameters doubles the program (optax computes them once from one shared count).
 
-`split` cuts the traced per-parameter `apply` in two by data dependence: the *known* part reads only the
-hyperparameters and the packed small state leaves (`optim._pack`); the *unknown* part reads the parameter,
-its gradients and the state leaves shaped like it. `run` evaluates the known part once per pack group, vmapped
-over all its rows (a handful of kernels for up to `PACK_MAX_ROWS` parameters), and each stack's unknown part
-vmapped over its members, with the known values it needs (the residuals) sliced per row: a slice and a multiply
-fuse into the element loop. The result is exactly the `apply` it came from, reordered.
+`_split` cuts the traced step of one stack (`apply_all` on its stepping rows: the rule's `apply` vmapped, or a
+wrapper's `apply_tree`) in two by data dependence: the *known* part reads only the hyperparameters and the
+packed small state leaves (`optim._pack`); the *unknown* part reads the parameters, their gradients and the
+state leaves shaped like them. `run` evaluates the known part once for all the stacks of a pack group whose
+known parts are equal (the same computation on other rows: in practice, stacks with the same number of stepping
+rows), vmapped over those stacks (a handful of kernels for up to `PACK_MAX_ROWS` parameters), and each stack's
+unknown part as it is, with the known values it needs (the residuals) sliced per stack: a slice and a multiply
+fuse into the element loop. The result is exactly the step it came from, reordered.
 
-Known arithmetic whose result is shaped like the parameter and depends on the state stays in the unknown
-part (it would otherwise be materialised per row); so does anything with side effects. A rule whose jaxpr
+Known arithmetic whose result is larger than `SMALL` numbers per parameter and depends on the state stays in the
+unknown part (it would otherwise be materialised per stack); so does anything with side effects. A rule whose jaxpr
 cannot be split (or a sharded computation, whose avals carry shardings) runs as before.
 """
 
@@ -25,12 +27,12 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._cache import LRU
 from ._pack import SMALL, is_packed
 from ._stack import row_index
+from ._step import apply_all
 
 __all__ = ["run", "ENABLED"]
 
@@ -42,8 +44,8 @@ ENABLED = True
 class Split:
     known: Any                 # ClosedJaxpr: (rule leaves, small leaves) -> (known outputs, residuals)
     unknown: Any               # ClosedJaxpr: (residuals, wide leaves, x, dxs) -> unknown outputs
-    out_known: tuple           # per output of the apply: computed by the known part?
-    batched: tuple             # per output of the known part: does it depend on the small leaves (per row)?
+    out_known: tuple           # per output of the step: computed by the known part?
+    batched: tuple             # per output of the known part: does it depend on the small leaves?
     key: str                   # the known part's text: stacks with equal keys share one evaluation
     out_def: Any               # treedef of (new state, step)
 
@@ -57,39 +59,34 @@ def _aval(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
 
 
-def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list, x: Any, dxs: tuple):
-    """The split of `rule.apply` for one parameter (avals per member), or None when it cannot be split."""
+def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list, x: Any, dxs: tuple,
+           rows: int) -> Split | None:
+    """The split of one stack's step (avals of its `rows` stepping rows), or None when there is nothing to
+    hoist or it cannot be traced."""
+    from jax.extend.core import ClosedJaxpr, Literal
+
     rule_leaves, rule_def = jax.tree_util.tree_flatten(rule)
     n_rule, n_small = len(rule_leaves), len(smalls)
     out_def = []
 
-    def member(*args):
+    def stack_step(*args):
         r = jax.tree_util.tree_unflatten(rule_def, args[:n_rule])
-        small, rest = args[n_rule:n_rule + n_small], list(args[n_rule + n_small:])
-        leaves, k = [], 0
-        for i in range(state_def.num_leaves):
-            if i in small_at:
-                leaves.append(small[small_at.index(i)])
-            else:
-                leaves.append(rest[k])
-                k += 1
-        state = jax.tree_util.tree_unflatten(state_def, leaves)
-        xx, dd = rest[k], rest[k + 1:]
-        out, treedef = jax.tree_util.tree_flatten(type(r).apply(r, state, xx, *dd) if hasattr(type(r), "apply")
-                                                  else r.apply(state, xx, *dd))
+        small, rest = iter(args[n_rule:n_rule + n_small]), iter(args[n_rule + n_small:])
+        state = jax.tree_util.tree_unflatten(
+            state_def, [next(small) if i in small_at else next(rest) for i in range(state_def.num_leaves)])
+        xx = next(rest)
+        states, steps = apply_all(r, [state], [xx], [tuple(rest)])
+        out, treedef = jax.tree_util.tree_flatten((states[0], steps[0]))
         out_def.append(treedef)
         return out
 
-    avals = [_aval(a) for a in rule_leaves] + list(smalls) + list(wides) + [x, *dxs]
     try:
-        closed = jax.make_jaxpr(member)(*avals)
+        closed = jax.make_jaxpr(stack_step)(*[_aval(a) for a in rule_leaves], *smalls, *wides, x, *dxs)
     except Exception:      # let the ordinary path raise the rule's own error, with its context
         return None
     j = closed.jaxpr
     if j.effects:
         return None
-    from jax.extend.core import Literal
-
     ins = j.invars
     known = set(ins[:n_rule + n_small]) | set(j.constvars)
     batched = set(ins[n_rule:n_rule + n_small])
@@ -98,7 +95,7 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
         vs = [v for v in e.invars if not isinstance(v, Literal)]
         if not e.effects and all(v in known for v in vs):
             b = any(v in batched for v in vs)
-            if not b or all(math.prod(o.aval.shape) <= SMALL for o in e.outvars):
+            if not b or all(math.prod(o.aval.shape) <= SMALL * rows for o in e.outvars):
                 k_eqns.append(e)
                 known.update(e.outvars)
                 if b:
@@ -106,29 +103,19 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
                 continue
         u_eqns.append(e)
     out_known = tuple(isinstance(v, Literal) or v in known for v in j.outvars)
-    if all(out_known) or not any(out_known) and not k_eqns:
-        return None          # nothing to hoist
+    if all(out_known) or not k_eqns:
+        return None          # nothing to hoist (or nothing left to run per stack)
     res: list = []
-    seen: set = set()
-    for e in u_eqns:
-        for v in e.invars:
-            if not isinstance(v, Literal) and v in known and v not in seen and v not in j.constvars:
-                seen.add(v)
-                res.append(v)
-    for v in (v for v, k in zip(j.outvars, out_known) if not k):
-        if not isinstance(v, Literal) and v in known and v not in seen and v not in j.constvars:
-            seen.add(v)
+    for v in [v for e in u_eqns for v in e.invars] + [v for v, k in zip(j.outvars, out_known) if not k]:
+        if not isinstance(v, Literal) and v in known and v not in res and v not in j.constvars:
             res.append(v)
     known_outs = [v for v, k in zip(j.outvars, out_known) if k]
-    kj = j.replace(invars=list(ins[:n_rule + n_small]), outvars=known_outs + res, eqns=k_eqns,
-                   debug_info=None)
-    uj = j.replace(invars=res + list(ins[n_rule + n_small:]), outvars=[v for v, k in zip(j.outvars, out_known)
-                                                                      if not k], eqns=u_eqns, debug_info=None)
-    known_closed = jax.extend.core.ClosedJaxpr(kj, closed.consts)
-    unknown_closed = jax.extend.core.ClosedJaxpr(uj, closed.consts)
+    kj = j.replace(invars=list(ins[:n_rule + n_small]), outvars=known_outs + res, eqns=k_eqns, debug_info=None)
+    uj = j.replace(invars=res + list(ins[n_rule + n_small:]), eqns=u_eqns, debug_info=None,
+                   outvars=[v for v, k in zip(j.outvars, out_known) if not k])
     flags = tuple(not isinstance(v, Literal) and v in batched for v in known_outs + res)
     key = str(kj) + repr([id(c) for c in closed.consts])
-    return Split(known_closed, unknown_closed, out_known, flags, key, out_def[0])
+    return Split(ClosedJaxpr(kj, closed.consts), ClosedJaxpr(uj, closed.consts), out_known, flags, key, out_def[0])
 
 
 def _stored_form(stored: Any, wides: list) -> Any:
@@ -148,11 +135,10 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
 
     Per stack `i`: `stored[i]` its stored tree (with `Packed` placeholders), `rows[i]` its stepping rows,
     `sizes[i]` its number of members, `xs[i]` / `dxs[i]` the stepping rows' parameters and gradients.
-    Returns `(results, pack_rows)`: per stack `(new stored tree rows, step)` or None where it was not hoisted
-    (the caller runs it as usual), and `[(group, leaf, rows in the pack, new values)]` for the packs."""
+    Returns `(results, pack_rows)`: per stack `(its stepping rows' new state in stored form, step)`, or None
+    where it was not hoisted (the caller runs it as usual), and `[(group, leaf, rows of the pack, new values)]`
+    for the packs."""
     results: list = [None] * len(stored)
-    small_ats: dict = {}
-    plans = []
     rule_leaves = jax.tree.leaves(rule)
     try:
         rule_avals = tuple(_aval(a) for a in rule_leaves)
@@ -160,90 +146,73 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         return results, []
     if any(_sharded(a) for a in rule_leaves):
         return results, []
+    chunks: dict = {}        # (pack group, known part) -> [plan per stack]
     for i, tree in enumerate(stored):
         leaves, state_def = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)
         small_at = tuple(k for k, a in enumerate(leaves) if is_packed(a))
         if not small_at or len({leaves[k].group for k in small_at}) != 1:
             continue
-        wides = [a for a in leaves if not is_packed(a)]
+        m = len(rows[i])
+        take = row_index(rows[i])
+        wides = [a if m == sizes[i] else a[take] for a in leaves if not is_packed(a)]
         if any(_sharded(a) for a in wides + [xs[i], *dxs[i]]):
             continue
-        group = leaves[small_at[0]].group
-        smalls = [jax.ShapeDtypeStruct(np.shape(packs[group][leaves[k].leaf])[1:],
-                                       packs[group][leaves[k].leaf].dtype) for k in small_at]
-        member = [jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype) for a in wides + [xs[i], *dxs[i]]]
-        key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), tuple(member), rule_avals)
+        holders = [leaves[k] for k in small_at]
+        group = holders[0].group
+        smalls = [jax.ShapeDtypeStruct((m,) + np.shape(packs[group][h.leaf])[1:], packs[group][h.leaf].dtype)
+                  for h in holders]
+        big = [_aval(a) for a in wides + [xs[i], *dxs[i]]]
+        key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), tuple(big), rule_avals)
         sp = _SPLITS.get(key)
         if sp is None:
-            sp = _split(rule, state_def, small_at, smalls, member[:len(wides)], member[len(wides)],
-                        tuple(member[len(wides) + 1:]))
+            sp = _split(rule, state_def, small_at, smalls, big[:len(wides)], big[len(wides)],
+                        tuple(big[len(wides) + 1:]), m)
             _SPLITS[key] = sp if sp is not None else False
-        if not sp:
-            continue
-        pack_rows = tuple(leaves[small_at[0]].start + r for r in rows[i])
-        if sp.out_def.num_leaves < state_def.num_leaves or jax.tree.structure(
-                jax.tree_util.tree_unflatten(sp.out_def, [0] * sp.out_def.num_leaves)[0]) != state_def:
-            continue         # the rule returns a state of another structure: not ours to rearrange
-        small_ats[i] = small_at
-        plans.append((i, sp, group, [leaves[k] for k in small_at], pack_rows, wides, state_def))
+        if not sp or jax.tree_util.tree_unflatten(sp.out_def, [0] * sp.out_def.num_leaves)[0] is None or \
+                jax.tree.structure(jax.tree_util.tree_unflatten(sp.out_def, [0] * sp.out_def.num_leaves)[0]) \
+                != jax.tree.structure(jax.tree_util.tree_unflatten(state_def, [0] * state_def.num_leaves)):
+            continue         # nothing to hoist, or a new state of another structure: not ours to rearrange
+        pack_rows = tuple(holders[0].start + r for r in rows[i])
+        chunks.setdefault((group, sp.key), []).append((i, sp, holders, small_at, pack_rows, wides, state_def))
 
-    # The known parts: one vmapped evaluation per pack group and equal known part, over the stepping rows.
-    chunks: dict = {}
-    for p in plans:
-        chunks.setdefault((p[2], p[1].key), []).append(p)
     pack_rows: list = []
-    for (group, _), members in chunks.items():
-        sp = members[0][1]
-        all_rows = sum((p[4] for p in members), ())
-        ix = row_index(all_rows)
-        holders = members[0][3]
-        smalls = [packs[group][h.leaf][ix] for h in holders]
-        fn = jax.extend.core.jaxpr_as_fun(sp.known)
-        outs = jax.vmap(lambda *a: fn(*a), in_axes=(None,) * len(rule_leaves) + (0,) * len(smalls),
+    for (group, _), plans in chunks.items():
+        # The known part once for these stacks: vmapped over them, each stack's rows of the packs as one entry.
+        sp, holders, small_at = plans[0][1], plans[0][2], plans[0][3]
+        all_rows = sum((p[4] for p in plans), ())
+        m = len(plans[0][4])
+        smalls = [packs[group][h.leaf][row_index(all_rows)] for h in holders]
+        smalls = [a.reshape((len(plans), m) + a.shape[1:]) for a in smalls]
+        known = jax.extend.core.jaxpr_as_fun(sp.known)
+        outs = jax.vmap(lambda *a: known(*a), in_axes=(None,) * len(rule_leaves) + (0,) * len(smalls),
                         out_axes=[0 if b else None for b in sp.batched])(*rule_leaves, *smalls)
         n_out = sum(sp.out_known)
-        known_outs, res = list(outs[:n_out]), list(outs[n_out:])
-        # Flat output k of the apply is state leaf k (the state comes first); `whole[k]` is 1 + its index among
-        # the known outputs when the known part computes it per row, else 0.
-        known_index = np.cumsum(sp.out_known) - 1
-        whole = [int(known_index[k]) + 1 if sp.out_known[k] and sp.batched[known_index[k]] else 0
-                 for k in range(len(sp.out_known))]
-        at = 0
-        for i, sp_i, _, holders_i, rows_i, wides, state_def in members:
-            m = len(rows_i)
-            cut = slice(at, at + m)
-            at += m
-            r_in = [r[cut] if b else r for r, b in zip(res, sp.batched[n_out:])]
-            take = row_index(rows[i])
-            wide_rows = [a if len(rows[i]) == sizes[i] else a[take] for a in wides]
-            b_res = [0 if b else None for b in sp.batched[n_out:]]
-            ufn = jax.extend.core.jaxpr_as_fun(sp_i.unknown)
-            u_outs = jax.vmap(lambda *a: ufn(*a), in_axes=b_res + [0] * (len(wide_rows) + 1 + len(dxs[i])))(
-                *r_in, *wide_rows, xs[i], *dxs[i])
-            u_iter, k_iter = iter(u_outs), iter(zip(known_outs, sp.batched[:n_out]))
+        known_outs, res = outs[:n_out], outs[n_out:]
+        res_batched = sp.batched[n_out:]
+        # Output k of the step is state leaf k while k < the state's leaf count (the state comes first).
+        at = np.cumsum(sp.out_known) - 1
+        whole = {k: int(at[k]) for k in small_at if sp.out_known[k] and sp.batched[at[k]]}
+        for s, (i, sp_i, _, _, _, wides, state_def) in enumerate(plans):
+            unknown = jax.extend.core.jaxpr_as_fun(sp_i.unknown)
+            u_outs = iter(unknown(*[r[s] if b else r for r, b in zip(res, res_batched)], *wides, xs[i], *dxs[i]))
             flat = []
-            for kn in sp_i.out_known:
-                if kn:
-                    v, b = next(k_iter)
-                    flat.append(v[cut] if b else jnp.broadcast_to(v, (m,) + jnp.shape(v)))
+            for k, kn in enumerate(sp_i.out_known):
+                if not kn:
+                    flat.append(next(u_outs))
                 else:
-                    flat.append(next(u_iter))
+                    v = known_outs[at[k]]
+                    flat.append(v[s] if sp.batched[at[k]] else v)
             new_state, step = jax.tree_util.tree_unflatten(sp_i.out_def, flat)
             new_leaves = jax.tree.leaves(new_state)
-            stored_new = list(wides)
-            w = 0
+            new_wides = []
             for k in range(state_def.num_leaves):
-                if k in small_ats[i]:
-                    h = holders_i[small_ats[i].index(k)]
-                    if not whole[k]:
-                        pack_rows.append((group, h.leaf, rows_i, new_leaves[k]))
-                else:
-                    stored_new[w] = new_leaves[k]
-                    w += 1
-            results[i] = (_stored_form(stored[i], stored_new), step)
-        # New packed leaves computed by the known part for every row alike: one array for the whole chunk.
-        for k in small_ats[members[0][0]]:
-            if whole[k]:
-                h = holders[small_ats[members[0][0]].index(k)]
-                pack_rows.append((group, h.leaf, all_rows, known_outs[whole[k] - 1]))
+                if k not in small_at:
+                    new_wides.append(new_leaves[k])
+                elif k not in whole:      # computed from the gradients (a gated step): written per stack
+                    pack_rows.append((group, holders[small_at.index(k)].leaf, plans[s][4], new_leaves[k]))
+            results[i] = (_stored_form(stored[i], new_wides), step)
+        # New packed leaves computed by the known part: one array for all these stacks' rows.
+        for k, o in whole.items():
+            v = known_outs[o]
+            pack_rows.append((group, holders[small_at.index(k)].leaf, all_rows, v.reshape((-1,) + v.shape[2:])))
     return results, pack_rows

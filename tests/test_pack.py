@@ -1,8 +1,9 @@
 """Packed small state leaves (`optim._pack`) and hoisted scalar arithmetic (`optim._hoist`).
 
 Packing changes only how the state is stored, and hoisting only where XLA computes a rule's per-parameter
-numbers: every result must equal the plain path (each stack runs its whole rule, `_hoist.ENABLED = False`) to a
-few ulp of each array's scale, through `None` gradients, frozen and tied parameters, stacked and single groups. The compiled program
+numbers: every result must equal the plain path (each stack runs its whole rule, `_hoist.ENABLED = False`) to
+a few ulp of each array's scale, through `None` gradients, frozen and tied parameters, stacked and single
+groups. The compiled program
 is checked for size (kernels and copies per parameter, against optax's), not for time.
 """
 
@@ -62,7 +63,8 @@ def train(rule, jit, steps=4, freeze=None):
     state = optim.setup(rule, m)
     if freeze:
         state = optim.freeze(state, freeze)
-    step = jax.jit(optim.update) if jit else optim.update
+    # A fresh function for each jit: JAX caches traces per function, and each run must trace its own path.
+    step = jax.jit(lambda s, m, g: optim.update(s, m, g)) if jit else optim.update
     for t in range(steps):
         state, m = step(state, m, grads_at(t, m))
     return state, m
