@@ -30,11 +30,11 @@ import jax
 import numpy as np
 
 from ._cache import LRU
-from ._pack import SMALL, is_packed
-from ._stack import row_index
+from ._pack import SMALL, fill, is_packed, split_rows
+from ._stack import row_index, take_rows
 from ._step import apply_all
 
-__all__ = ["run", "ENABLED"]
+__all__ = ["step_stacks", "ENABLED"]
 
 # Off: every stack runs its rule as a whole, reading its packed rows (the reference the tests compare with).
 ENABLED = True
@@ -216,3 +216,56 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
             v = known_outs[o]
             pack_rows.append((group, holders[small_at.index(k)].leaf, all_rows, v.reshape((-1,) + v.shape[2:])))
     return results, pack_rows
+
+
+def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, packs: tuple):
+    """Run `rule` on some stacks (as `apply_all`), in the stored form: per stack `i`, `stored[i]` is its stored
+    tree, `rows[i]` its stepping rows, `sizes[i]` its number of members, `xs[i]` / `dxs[i]` the stepping rows'
+    parameters and gradients. Returns `(per stack (new state of its stepping rows, stored form; step),
+    new pack rows [(group, leaf, rows of the pack, values)])`.
+
+    A rule that does not look across parameters is split (`run`); one that does runs as a whole, reading its
+    packed rows, except that a chain's leading stateless stages that look across (`ClipGlobalNorm`) run first
+    over all stacks and the rest of the chain is split (when those stages return plain steps)."""
+    from ._adjust import looks_across
+
+    rule_now, dxs_now, head = rule, dxs, 0
+    if packs and ENABLED and looks_across(rule) is not None:
+        pre = _across_prefix(rule, stored)
+        if pre is not None:
+            steps = apply_all(pre[0], [(None,) * pre[2]] * len(stored), xs, dxs)[1]
+            if all(isinstance(s, jax.Array) for s in steps):
+                rule_now, head = pre[1], pre[2]
+                dxs_now = [(s, *d[1:]) for s, d in zip(steps, dxs)]
+    views = [t[head:] for t in stored] if head else stored
+    out: list = [None] * len(stored)
+    pack_rows: list = []
+    if packs and ENABLED and looks_across(rule_now) is None:
+        out, pack_rows = run(rule_now, views, rows, sizes, xs, dxs_now, packs)
+    rest = [k for k, o in enumerate(out) if o is None]
+    if rest:
+        olds = [take_rows(fill(views[k], packs), rows[k], sizes[k]) for k in rest]
+        sts, steps = apply_all(rule_now, olds, [xs[k] for k in rest], [dxs_now[k] for k in rest])
+        for k, st, d in zip(rest, sts, steps):
+            st, written = split_rows(views[k], rows[k], st)
+            out[k] = (st, d)
+            pack_rows += written
+    if head:
+        out = [((None,) * head + tuple(st), d) for st, d in out]
+    return out, pack_rows
+
+
+def _across_prefix(rule: Any, stored: list):
+    """For a chain whose first stages look across parameters and keep no state (`ClipGlobalNorm`) and whose
+    other stages do not: `(chain of the first, chain of the others, how many first)`; else None."""
+    from ._adjust import looks_across
+    from ._wrappers import OptimiserChain
+
+    if type(rule) is not OptimiserChain:
+        return None
+    stages, n = rule.rules, 0
+    while n < len(stages) and looks_across(stages[n]) and all(t[n] is None for t in stored):
+        n += 1
+    if n == 0 or n == len(stages) or any(looks_across(s) for s in stages[n:]):
+        return None
+    return OptimiserChain(*stages[:n]), OptimiserChain(*stages[n:]), n

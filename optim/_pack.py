@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed"]
+__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
+           "replace_groups"]
 
 SMALL = 8               # elements per parameter: bt (2), counts (1); Adafactor's row statistics are not small
 PACK_MAX_ROWS = 64      # rows per pack group; XLA's compile time grows with the slices taken from one array
@@ -135,25 +136,25 @@ def fill(stack: Any, packs: tuple) -> Any:
     return treedef.unflatten(out)
 
 
-def split(stored: Any, new: Any) -> tuple[Any, list]:
-    """A stepping stack's new per-stack tree `new` in stored form (the placeholders of `stored`, the stack's
-    current stored tree, kept) and the new rows of its packed leaves: `[(group, leaf, rows, array)]`."""
+def split_rows(stored: Any, rows: tuple, new: Any) -> tuple[Any, list]:
+    """New state rows `new` (per-stack form, the stepping `rows` of the stack whose stored tree is `stored`) in
+    stored form (placeholders kept), and their packed leaves as new pack rows: `[(group, leaf, rows, array)]`."""
     leaves, treedef = _leaves(stored)
     if not any(is_packed(a) for a in leaves):
         return new, []
-    rows, out = [], []
+    written, out = [], []
     for a, b in zip(leaves, jax.tree.leaves(new)):
         if is_packed(a):
-            rows.append((a.group, a.leaf, tuple(range(a.start, a.stop)), b))
+            written.append((a.group, a.leaf, tuple(a.start + r for r in rows), b))
             out.append(a)
         else:
             out.append(b)
-    return treedef.unflatten(out), rows
+    return treedef.unflatten(out), written
 
 
 def assemble(packs: tuple, rows: list) -> dict:
     """The pack groups that get new rows, with them written: `{group: new arrays}`. `rows` is
-    `[(group, leaf, rows, array)]` (from `split` or `optim._hoist`, disjoint); rows not written keep their old
+    `[(group, leaf, rows, array)]` (from `split_rows` or `optim._hoist`, disjoint); rows not written keep their old
     values. A pack whose rows all come in order from one array is that array; contiguous runs are concatenated
     with the old rows between them, other rows scattered."""
     by_leaf: dict = {}

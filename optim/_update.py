@@ -24,13 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _hoist as hoist
-from ._adjust import looks_across
 from ._cache import LRU
-from ._pack import assemble, fill, replace_groups, split
+from ._pack import assemble, replace_groups
 from ._schedules import resolve
 from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
-from ._step import apply_all, apply_step, step_row, sum_squares
+from ._step import apply_step, step_row, sum_squares
 from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
 from ._wrappers import joint_norm
 
@@ -392,27 +391,15 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
             xs.append(stack_arrays([params[i] for i in gi]))
             # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
             dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
-        # Stacks whose small state leaves are packed run the rule's arithmetic on them once per pack (optim._hoist);
-        # the others, and rules that look across parameters (whose `apply` sees one parameter), run per stack.
-        hoisted = [None] * len(js)
-        if packs and hoist.ENABLED and looks_across(rules[r]) is None:
-            hoisted, written = hoist.run(rules[r], [stacks[j] for j in js], [prog.stack_plan[j][0] for j in js],
-                                         [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, dxs, packs)
-            pack_rows += written
-        rest = [k for k, h in enumerate(hoisted) if h is None]
-        olds = {k: take_rows(stacks[js[k]] if hoisted[k] else fill(stacks[js[k]], packs), prog.stack_plan[js[k]][0],
-                             len(lay.stacks[prog.step_stacks[js[k]]])) for k in range(len(js))}
-        sts, steps = apply_all(rules[r], [olds[k] for k in rest], [xs[k] for k in rest], [dxs[k] for k in rest])
-        for k, st, d in zip(rest, sts, steps):
-            hoisted[k] = (st, d)
-        for k, (j, (st, d)) in enumerate(zip(js, hoisted)):
+        # The rule's step per stack, in the state's stored form (packed small leaves: optim._pack), its small
+        # arithmetic run once per pack where the rule allows (optim._hoist).
+        results, written = hoist.step_stacks(rules[r], [stacks[j] for j in js], [prog.stack_plan[j][0] for j in js],
+                                             [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, dxs, packs)
+        pack_rows += written
+        for j, (st, d) in zip(js, results):
             rows, gi, ai = prog.stack_plan[j]
             n = len(lay.stacks[prog.step_stacks[j]])
-            base = stacks[j] if k not in rest else fill(stacks[j], packs)
-            new_stacks[j] = put_rows(base, rows, _same_dtypes(st, olds[k]), n)
-            if k in rest:     # its packed rows go back into the packs
-                new_stacks[j], written = split(stacks[j], new_stacks[j])
-                pack_rows += written
+            new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, take_rows(stacks[j], rows, n)), n)
             # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
             # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
             # requested sharding and the parameters to the sharding they had at setup (an all-gather per
