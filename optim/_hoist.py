@@ -29,10 +29,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._adjust import looks_across
 from ._cache import LRU
 from ._pack import SMALL, fill, is_packed, split_rows
 from ._stack import row_index, take_rows
 from ._step import apply_all
+from ._wrappers import OptimiserChain
 
 __all__ = ["step_stacks", "ENABLED"]
 
@@ -227,8 +229,6 @@ def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs:
     A rule that does not look across parameters is split (`run`); one that does runs as a whole, reading its
     packed rows, except that a chain's leading stateless stages that look across (`ClipGlobalNorm`) run first
     over all stacks and the rest of the chain is split (when those stages return plain steps)."""
-    from ._adjust import looks_across
-
     rule_now, dxs_now, head = rule, dxs, 0
     if packs and ENABLED and looks_across(rule) is not None:
         pre = _across_prefix(rule, stored)
@@ -258,9 +258,6 @@ def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs:
 def _across_prefix(rule: Any, stored: list):
     """For a chain whose first stages look across parameters and keep no state (`ClipGlobalNorm`) and whose
     other stages do not: `(chain of the first, chain of the others, how many first)`; else None."""
-    from ._adjust import looks_across
-    from ._wrappers import OptimiserChain
-
     if type(rule) is not OptimiserChain:
         return None
     stages, n = rule.rules, 0

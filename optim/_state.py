@@ -5,10 +5,11 @@ A `State` is a pytree. Its leaves are the rules' hyperparameters and the optimis
 parameters with the same rule, shape, dtype and placement form stacks (`Layout.stacks`), and each stack holds
 one array per state field with a leading axis over its parameters. `update` then runs a rule once per stack
 (vmapped), so the compiled program does not grow with the number of small leaves; `state[path]` slices a
-parameter's own state out. The static part, the `Layout`, holds the model's treedef, every leaf's dotted path,
-the tie groups, the stacks and the frozen flags. It is hashable and compares by value, so a fresh `setup` of an
-equal structure never makes a jitted function retrace; comparing a layout with itself is an identity check, so
-the per-call cost is nil.
+parameter's own state out. The stacks' small leaves (Adam's `bt`, counts) are stored packed, the rows of several
+stacks in one array (`State.packs`, see `optim._pack`); `state.stacks` reads them back. The static part, the
+`Layout`, holds the model's treedef, every leaf's dotted path, the tie groups, the stacks and the frozen flags.
+It is hashable and compares by value, so a fresh `setup` of an equal structure never makes a jitted function
+retrace; comparing a layout with itself is an identity check, so the per-call cost is nil.
 """
 
 from __future__ import annotations
@@ -407,7 +408,6 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
         frozen[u] = value
     lay = state.layout
     return state.replace(layout=Layout(lay.treedef, lay.params, tuple(frozen)))
-
 
 
 # 4096 (rule structure, shape, dtype): a large model has hundreds of distinct parameter kinds.

@@ -486,6 +486,7 @@ def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
 
 def _jitted(prog: Program, k: int) -> Any:
     """Make `prog.jitted[k]`: 0 runs `_core`, 1 runs it donating the state stacks and parameters, 2 `_sums_core`.
+    The packs are not donated: a call returns only the pack groups it writes, and they are a few numbers each.
 
     Each Program owns its jitted functions, and JAX keeps a function's traces and executables only while the
     function lives (its caches hold functions weakly), so evicting a Program from `_PROGRAMS` frees what was
