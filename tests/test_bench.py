@@ -19,19 +19,19 @@ def test_bench_quick_mode_runs(tmp_path):
 
 
 def test_bench_rules_quick_mode_runs(tmp_path):
-    """`python -m bench.rules --quick` on two of its sections (Adafactor, and bfloat16 moments on the tied LM; the
-    Muon and 1000x16k sections run the same code on other rules and sizes and add ~20 s): every row, with finite
-    numbers, and the numerical checks (optim against optax, 3 steps on an untied model) passed."""
+    """`python -m bench.rules --quick` on one of its sections (Adafactor; the Muon, bfloat16 and 1000x16k sections
+    run the same code on other rules and sizes and add ~13 s each): every row, with finite numbers, and the
+    numerical check (optim against optax, 3 steps on an untied model) passed."""
     import json
     import math
 
     out = tmp_path / "RULES.md"
-    proc = subprocess.run([sys.executable, "-m", "bench.rules", "--quick", "--only", "adafactor,bf16-tied-lm",
+    proc = subprocess.run([sys.executable, "-m", "bench.rules", "--quick", "--only", "adafactor",
                            "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "RULES.json").read_text())
-    assert set(data["sections"]) == {"adafactor", "bf16-tied-lm"}
+    assert set(data["sections"]) == {"adafactor"}
 
     def finite(v):
         if isinstance(v, (list, tuple)):

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import optim
 
-SETTINGS = settings(max_examples=int(os.environ.get("PROP_EXAMPLES", 40)), deadline=None, database=None,
+SETTINGS = settings(max_examples=int(os.environ.get("PROP_EXAMPLES", 30)), deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 MAX_GROUPS = 3      # distinct parameters a skeleton may refer to
