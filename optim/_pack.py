@@ -5,11 +5,11 @@ bias-correction powers `bt` (2 per parameter), step counts, RAdam's `t`. Stored 
 large parameters (each alone in its stack, see `optim._stack`) would pass 1000 such arrays in and out of every
 compiled step (about 1.5 µs each per call on the host) and run a few tiny kernels per parameter to advance them.
 So `State` stores them *packed*: the small leaves of stacks with the same rule, state structure, small-leaf
-shapes and dtypes and placement form a pack group (at most `PACK_MAX_ROWS` parameters), which holds one array
-per small leaf with a row per parameter. In a stack's stored tree each packed leaf is a `Packed` placeholder: a
-pytree node without children, so the plan (which pack, which rows) is part of the state's treedef, static and
-compared by value. `fill` puts the rows back (slices); `update` instead runs the rule's small arithmetic once per
-pack group on whole packs (`optim._hoist`).
+shapes and dtypes, placement and number of members form a pack group (at most `PACK_MAX_ROWS` parameters), which
+holds one array per small leaf with a row per parameter. In a stack's stored tree each packed leaf is a `Packed`
+placeholder: a pytree node without children, so the plan (which pack, which rows) is part of the state's treedef,
+static and compared by value. `fill` puts the rows back (slices); `update` instead runs the rule's small
+arithmetic once per pack group on whole packs (`optim._hoist`).
 
 A leaf is small when one parameter's part of it has at most `SMALL` elements and is not shaped like the
 parameter. Packing only changes how the arrays are stored: `state.stacks`, `state[path]`, `state_dict` and
@@ -82,8 +82,10 @@ def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]
         if not small:
             stored.append(stack)
             continue
+        # Stacks of one size share packs: `update` runs their small arithmetic as one (`optim._hoist`), reading
+        # contiguous rows (no gather, no scatter).
         key = (p.rule, treedef, tuple((i, tuple(leaves[i].shape[1:]), jnp.dtype(leaves[i].dtype)) for i in small),
-               _small_place(p))
+               _small_place(p), n)
         k = groups.get(key)
         if k is None or rows[k] + n > PACK_MAX_ROWS:
             k = groups[key] = len(rows)

@@ -119,10 +119,11 @@ def test_hoisted_equals_plain(name, plain, monkeypatch):
 def test_adam_state_is_packed_and_reads_back():
     state = optim.setup(optim.Adam(0.01), model())
     # Stacks: emb, big.0-2 and mat alone (above 8192 elements), the 4 small vectors, the scalar. Every stack's bt
-    # is packed (the scalar's too: its bt has shape (2,), not the parameter's ()), all in one group of 10 rows.
+    # is packed (the scalar's too: its bt has shape (2,), not the parameter's ()): the six single-member stacks'
+    # rows in one pack, the stack of 4's in another (packs hold stacks of one size).
     assert all(isinstance(s.bt, _pack.Packed) for s in state.stored)
-    assert [np.shape(a) for a in jax.tree.leaves(state.packs)] == [(10, 2)]
-    assert len(jax.tree.leaves(state)) == 4 + 2 * len(state.stored) + 1 + 1   # lr, β₁, β₂, ε; moments; step; pack
+    assert [np.shape(a) for a in jax.tree.leaves(state.packs)] == [(6, 2), (4, 2)]
+    assert len(jax.tree.leaves(state)) == 4 + 2 * len(state.stored) + 1 + 2   # lr, β₁, β₂, ε; moments; step; packs
     np.testing.assert_allclose(state["big.1"].state.bt, [0.9, 0.999])
     state, m = optim.update(state, model(), grads_at(1, model()))    # big.1 and small.2 take no step
     np.testing.assert_allclose(state["big.1"].state.bt, [0.9, 0.999])
