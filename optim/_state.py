@@ -344,28 +344,15 @@ class State:
         return "\n".join(lines)
 
 
-# 4096 (rule structure, shape, dtype, state structure): a large model has hundreds of distinct parameter kinds.
-_NDIMS = LRU(4096)
-
-
 def member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
-    """The ndim of each of one parameter's state arrays, without stacking (from the rule's init, cached per
-    rule structure, shape and dtype): how `param_state` finds the stack axis behind any batch axes."""
+    """The ndim of each of one parameter's state arrays, without stacking (from the rule's init, see
+    `_init_shapes`): how `param_state` finds the stack axis behind any batch axes."""
     p = state.layout.params[u]
-    rule = unwrap(state.rules[p.rule])
-    key = (jax.tree.structure(rule), p.shape, p.dtype, treedef)
-    nd = _NDIMS.get(key)
-    if nd is None:
-        try:
-            shapes = jax.eval_shape(rule.init, jax.ShapeDtypeStruct(p.shape, p.dtype))
-            leaves, got = jax.tree_util.tree_flatten(shapes)
-            nd = tuple(len(a.shape) for a in leaves) if got == treedef else None
-        except Exception:    # an init that cannot be traced: assume no batch axes
-            nd = None
-        if nd is None:
-            nd = tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stack(state.layout.slot[u][0])))
-        _NDIMS[key] = nd
-    return nd
+    got, shapes = _init_shapes(unwrap(state.rules[p.rule]), p.shape, p.dtype)
+    if got is not None and got == treedef:
+        return tuple(len(s) for s in shapes)
+    # an init that cannot be traced, or another structure: assume no batch axes
+    return tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stack(state.layout.slot[u][0])))
 
 
 def _gather(arrays: tuple, rows: list, ndim: int) -> Any:
@@ -414,24 +401,27 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
 _SHAPES = LRU(4096)
 
 
+def _init_shapes(rule: Any, shape: tuple, dtype: Any) -> tuple[Any, tuple | None]:
+    """`(treedef, per-leaf shapes)` of `rule.init` for one parameter, traced abstractly and cached per rule
+    structure, shape and dtype; `(None, None)` for an init that cannot be traced so."""
+    key = (jax.tree.structure(rule), shape, dtype)
+    got = _SHAPES.get(key)
+    if got is None:
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(rule.init, jax.ShapeDtypeStruct(shape, dtype)))
+            got = (treedef, tuple(tuple(a.shape) for a in leaves))
+        except Exception:
+            got = (None, None)
+        _SHAPES[key] = got
+    return got
+
+
 def _member_shapes(layout: Layout, rules: tuple, stacks: tuple) -> list:
-    """Per stack: one parameter's shape of each state leaf (flatten order), from the rule's init traced
-    abstractly (cached per rule structure, shape and dtype); None where that is unknown or the stack's
-    structure differs."""
+    """Per stack: one parameter's shape of each state leaf (flatten order), from the rule's init
+    (`_init_shapes`); None where that is unknown or the stack's structure differs (it is then stored as it is)."""
     out = []
     for g, stack in zip(layout.stacks, stacks):
         p = layout.params[g[0]]
-        rule = unwrap(rules[p.rule]) if p.rule < len(rules) else None
-        key = (jax.tree.structure(rule), p.shape, p.dtype)
-        got = _SHAPES.get(key)
-        if got is None:
-            try:
-                leaves, treedef = jax.tree_util.tree_flatten(
-                    jax.eval_shape(rule.init, jax.ShapeDtypeStruct(p.shape, p.dtype)))
-                got = (treedef, tuple(tuple(a.shape) for a in leaves))
-            except Exception:    # an init that cannot be traced abstractly: store its state as it is
-                got = (None, None)
-            _SHAPES[key] = got
-        treedef, shapes = got
+        treedef, shapes = _init_shapes(unwrap(rules[p.rule]), p.shape, p.dtype)
         out.append(shapes if treedef is not None and jax.tree.structure(stack) == treedef else None)
     return out

@@ -150,7 +150,7 @@ def test_every_module_cache_is_a_bounded_lru():
     assert sizes == {
         "_update._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
         "_checkpoint_format._DTYPE_NAMES": 64, "_optax._CHECKED": 1024, "_optax._factory_class": 1024,
-        "_stack._default_sharding": 1, "_state._NDIMS": 4096, "_state_dict._stacker": 256,
+        "_stack._default_sharding": 1, "_state_dict._stacker": 256,
         "_average._averager": 32, "_tree._INEXACT": 64, "_hoist._SPLITS": 1024, "_state._SHAPES": 4096}
     # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
     src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.glob("*.py") if p.name != "_cache.py")
@@ -194,11 +194,11 @@ def test_signature_cache_evicts(monkeypatch):
     assert len(F._SIGNATURES) == 2 and trees[0] not in F._SIGNATURES and trees[2] in F._SIGNATURES
 
 
-def test_state_ndims_cache_evicts(monkeypatch):
+def test_state_init_shapes_cache_evicts(monkeypatch):
     import optim._state as S
-    monkeypatch.setattr(S, "_NDIMS", LRU(2))
+    monkeypatch.setattr(S, "_SHAPES", LRU(2))
     model = {"a": jnp.ones(2), "b": jnp.ones((2, 3)), "c": jnp.ones((4,), jnp.bfloat16)}
     state = optim.setup(optim.Adam(0.1), model)
     for path in model:
         assert [x.shape for x in state[path].state[:2]] == [model[path].shape] * 2     # mu, nu
-    assert len(S._NDIMS) == 2
+    assert len(S._SHAPES) == 2
