@@ -50,6 +50,7 @@ class Split:
     batched: tuple             # per output of the known part: does it depend on the small leaves?
     key: str                   # the known part's text: stacks with equal keys share one evaluation
     out_def: Any               # treedef of (new state, step)
+    same_structure: bool       # the new state has the old one's structure (its leaves are the old ones', in order)
 
 
 # Per (rule structure, avals): a model has a few hundred distinct parameter kinds at most.
@@ -117,7 +118,11 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
                    outvars=[v for v, k in zip(j.outvars, out_known) if not k])
     flags = tuple(not isinstance(v, Literal) and v in batched for v in known_outs + res)
     key = str(kj) + repr([id(c) for c in closed.consts])
-    return Split(ClosedJaxpr(kj, closed.consts), ClosedJaxpr(uj, closed.consts), out_known, flags, key, out_def[0])
+    new_state = jax.tree_util.tree_unflatten(out_def[0], [0] * out_def[0].num_leaves)[0]
+    same = new_state is not None and jax.tree.structure(new_state) == jax.tree.structure(
+        jax.tree_util.tree_unflatten(state_def, [0] * state_def.num_leaves))
+    return Split(ClosedJaxpr(kj, closed.consts), ClosedJaxpr(uj, closed.consts), out_known, flags, key, out_def[0],
+                 same)
 
 
 def _stored_form(stored: Any, wides: list) -> Any:
@@ -170,12 +175,10 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
             sp = _split(rule, state_def, small_at, smalls, big[:len(wides)], big[len(wides)],
                         tuple(big[len(wides) + 1:]), m)
             _SPLITS[key] = sp if sp is not None else False
-        if not sp or jax.tree_util.tree_unflatten(sp.out_def, [0] * sp.out_def.num_leaves)[0] is None or \
-                jax.tree.structure(jax.tree_util.tree_unflatten(sp.out_def, [0] * sp.out_def.num_leaves)[0]) \
-                != jax.tree.structure(jax.tree_util.tree_unflatten(state_def, [0] * state_def.num_leaves)):
+        if not sp or not sp.same_structure:
             continue         # nothing to hoist, or a new state of another structure: not ours to rearrange
-        pack_rows = tuple(holders[0].start + r for r in rows[i])
-        chunks.setdefault((group, sp.key), []).append((i, sp, holders, small_at, pack_rows, wides, state_def))
+        in_pack = tuple(holders[0].start + r for r in rows[i])
+        chunks.setdefault((group, sp.key), []).append((i, sp, holders, small_at, in_pack, wides, state_def))
 
     pack_rows: list = []
     for (group, _), plans in chunks.items():
