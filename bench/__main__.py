@@ -112,13 +112,7 @@ def main(argv=None) -> int:
     notes = HERE / "NOTES.md"
     data["notes"] = notes.read_text() if notes.exists() and not opts.quick else ""
     md = report.render(data)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        runner.save(out.with_suffix(".json"), data)
-        out.write_text(md)
-        log(f"wrote {out} and {out.with_suffix('.json')}")
-    else:
-        print(md)
+    runner.write_report(out, md, data, log)
     log(f"total {time.perf_counter() - t_start:.1f} s")
     bad = [s for s, sec in sections.items() if "rows" not in sec]
     if bad:

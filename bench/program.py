@@ -14,7 +14,6 @@ Each row also has the lower + compile wall time: one measurement in a fresh `jax
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -255,15 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(QUICK if opts.quick else list(WORKLOADS), log=lambda *a, **k: print(*a, file=sys.stderr, **k))
     meta["loadavg"].append(os.getloadavg()[0])
     meta["optim_end"] = runner.optim_version()    # another checkout's edits mid-run would change what is measured
-    text = render(rows, meta)
-    if out is None:
-        print(text)
-        return 0
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {path} and {path.with_suffix('.json')}", file=sys.stderr)
+    runner.write_report(None if out is None else Path(out), render(rows, meta), {"meta": meta, "rows": rows},
+                        log=lambda m: print(m, file=sys.stderr))
     return 0
 
 

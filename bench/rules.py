@@ -548,27 +548,22 @@ def section_md(name: str, sec: dict) -> list[str]:
         out += ["| candidate | moments | step (ms) | vs optax m bf16 | vs optax f32 | vs same-mode f32 "
                 "| first call (s) | peak RSS (MB) | peak vs f32 | RSS after step (MB) | after vs f32 | state |",
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for n, r in rows.items():
-            if "error" in r:
-                out.append(f"| {n} | {r['error']} |")
-                continue
+        def line(n, r):
             impl, variant, _ = _split(n)
-            out.append(f"| {impl} | {variant} | {_ms(r['step_s'])} | {_r(r, 'optax_bf16')} | {_r(r, 'optax_f32')} "
-                       f"| {_r(r, 'f32')} | {_f(r.get('first_s'))} | {_f(r.get('peak_rss_mb'), '{:.0f}')} "
-                       f"| {_f(r.get('rss_vs_f32'))} | {_f(r.get('rss_after_mb'), '{:.0f}')} "
-                       f"| {_f(r.get('rss_after_vs_f32'))} "
-                       f"| {_f(r.get('state_ratio'), '{:.3f}x')} |")
+            return (f"| {impl} | {variant} | {_ms(r['step_s'])} | {_r(r, 'optax_bf16')} | {_r(r, 'optax_f32')} "
+                    f"| {_r(r, 'f32')} | {_f(r.get('first_s'))} | {_f(r.get('peak_rss_mb'), '{:.0f}')} "
+                    f"| {_f(r.get('rss_vs_f32'))} | {_f(r.get('rss_after_mb'), '{:.0f}')} "
+                    f"| {_f(r.get('rss_after_vs_f32'))} "
+                    f"| {_f(r.get('state_ratio'), '{:.3f}x')} |")
     else:
         out += ["| candidate | step (ms) | vs optax (same model) | tied / untied | first call (s) "
                 "| first call vs optax | peak RSS (MB) | state |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for n, r in rows.items():
-            if "error" in r:
-                out.append(f"| {n} | {r['error']} |")
-                continue
-            out.append(f"| {n} | {_ms(r['step_s'])} | {_r(r, 'optax')} | {_r(r, 'twin')} "
-                       f"| {_f(r.get('first_s'))} | {_f(r.get('first_vs_optax'))} "
-                       f"| {_f(r.get('peak_rss_mb'), '{:.0f}')} | {_f(r.get('state_ratio'), '{:.4f}x')} |")
+        def line(n, r):
+            return (f"| {n} | {_ms(r['step_s'])} | {_r(r, 'optax')} | {_r(r, 'twin')} "
+                    f"| {_f(r.get('first_s'))} | {_f(r.get('first_vs_optax'))} "
+                    f"| {_f(r.get('peak_rss_mb'), '{:.0f}')} | {_f(r.get('state_ratio'), '{:.4f}x')} |")
+    out += [f"| {n} | {r['error']} |" if "error" in r else line(n, r) for n, r in rows.items()]
     return out + [""] + _checks_md(sec)
 
 
@@ -666,13 +661,7 @@ def main(argv=None) -> int:
     data["command"] = " ".join(["python -m bench.rules", *(argv if argv is not None else sys.argv[1:])])
     data["total_s"] = time.perf_counter() - t_start
     md = render(data)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        runner.save(out.with_suffix(".json"), data)
-        out.write_text(md)
-        log(f"wrote {out} and {out.with_suffix('.json')}")
-    else:
-        print(md)
+    runner.write_report(out, md, data, log)
     bad = [s for s, sec in sections.items() if "rows" not in sec]
     failed = [f"{s}: {c['a']} vs {c['b']}" for s, sec in sections.items()
               for c in sec.get("raw", {}).get("checks", []) if not c["passed"]]

@@ -295,3 +295,15 @@ def load(path: Path) -> dict:
 
 def save(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def write_report(out: Path | None, md: str, data: dict, log=print) -> None:
+    """A bench script's report: the markdown to `out` and the raw data next to it as `.json` (folders made as
+    needed), or the markdown to stdout when `out` is None."""
+    if out is None:
+        print(md)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(out.with_suffix(".json"), data)
+    out.write_text(md)
+    log(f"wrote {out} and {out.with_suffix('.json')}")
