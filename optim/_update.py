@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _fused as fused
 from . import _hoist as hoist
 from ._cache import LRU
 from ._pack import assemble, replace_groups
@@ -214,7 +215,7 @@ def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool
     lay = state.layout
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
-    key = (lay, hoist.ENABLED, *(d for _, d in flat))
+    key = (lay, hoist.ENABLED, fused.ENABLED, *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = _program(lay, trees, who)
@@ -384,40 +385,32 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
     squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
     pack_rows: list = []      # new rows of the packs (see optim._pack), from the stacks that step
     for r, js in by_rule.items():
-        # Each stack runs as one: its stepping rows of state, parameters and summed gradients.
-        xs, dxs = [], []
-        for j in js:
-            rows, gi, _ = prog.stack_plan[j]
-            xs.append(stack_arrays([params[i] for i in gi]))
-            # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
-            dxs.append(tuple(stack_arrays([_conj(summed[i][t]) for i in gi]) for t in range(len(grads))))
-        # The rule's step per stack, in the state's stored form (packed small leaves: optim._pack), its small
-        # arithmetic run once per pack where the rule allows (optim._hoist).
-        results, written = hoist.step_stacks(rules[r], [stacks[j] for j in js], [prog.stack_plan[j][0] for j in js],
-                                             [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, dxs, packs)
-        pack_rows += written
-        for j, (st, d) in zip(js, results):
-            rows, gi, ai = prog.stack_plan[j]
-            n = len(lay.stacks[prog.step_stacks[j]])
-            new_stacks[j] = put_rows(stacks[j], rows, _same_dtypes(st, take_rows(stacks[j], rows, n)), n)
-            # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
-            # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
-            # requested sharding and the parameters to the sharding they had at setup (an all-gather per
-            # parameter for ZeRO-1).
-            first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
-            if first.state_place is not None:
-                new_stacks[j] = constrain_stack(new_stacks[j], first.state_place, first.shape)
-            for m, (i, a) in enumerate(zip(gi, ai)):
-                # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
-                # update into one kernel per leaf that writes the new parameter directly.
-                new_params[a] = apply_step(params[i], step_row(d, m))
-                if first.state_place is not None:
-                    new_params[a] = constrain(new_params[a], lay.params[prog.stepping[a]].place)
+        stk = [stacks[j] for j in js]
+        xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
+        gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
+        sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
+        firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
+        if fused.usable(rules[r], firsts, stk, sizes, len(grads)):
+            # On CPU, one pass per parameter in optim's kernel (optim._fused); where the process has another
+            # backend too, a program lowered for it keeps XLA's path.
+            cpu, xla, hypers = _fused_branches(prog, rules[r], js)
+            out = cpu(hypers, stk, packs, xs, gs) if fused.only_cpu() else jax.lax.platform_dependent(
+                hypers, stk, packs, xs, gs, cpu=cpu, default=xla)
+        else:
+            out = _rule_step(prog, rules[r], js, stk, packs, xs, gs)
+        for j, st, new in zip(js, *out[:2]):
+            new_stacks[j] = st
+            for a, x in zip(prog.stack_plan[j][2], new):
+                new_params[a] = x
+        # Whole pack groups, each from one array (see `_rule_step`).
+        pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in out[2].items()
+                      for t, a in enumerate(group)]
         if want_stats:
-            for j, x, dx in zip(js, xs, dxs):
+            for j, x, g in zip(js, xs, gs):
                 # Reductions per stack over its gradients, old and new values (the new ones as written, so the
                 # step is not recomputed): a few kernels per stack, not per parameter.
-                squares[j] = _row_squares(dx[0], x, stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
+                squares[j] = _row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
+                                          stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
     new_packs = assemble(packs, pack_rows)
     copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
@@ -426,6 +419,67 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
     return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies),
             jnp.asarray(step, jnp.int32) + jnp.int32(1),
             grads_out, norms)
+
+
+def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, xs: list, gs: list):
+    """XLA's path for the stepping stacks `js` of one rule: per stack `j` (its stored state `stacks`, its
+    stepping members' parameters `xs` and summed gradients per tree `gs`), the rule runs once on its stepping
+    rows. Returns `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups
+    whole, so that this and `_fused_step` return the same structure (`lax.platform_dependent` needs it)."""
+    lay = prog.layout
+    sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
+    rows = [prog.stack_plan[j][0] for j in js]
+    xx = [stack_arrays(list(x)) for x in xs]
+    # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
+    dxs = [tuple(stack_arrays([_conj(d[t]) for d in g]) for t in range(len(g[0]))) for g in gs]
+    # The rule's step per stack, in the state's stored form (packed small leaves: optim._pack), its small
+    # arithmetic run once per pack where the rule allows (optim._hoist).
+    results, written = hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs)
+    new_stacks, new_params = [], []
+    for j, stack, n, x, (st, d) in zip(js, stacks, sizes, xs, results):
+        rows = prog.stack_plan[j][0]
+        new = put_rows(stack, rows, _same_dtypes(st, take_rows(stack, rows, n)), n)
+        # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
+        # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
+        # requested sharding and the parameters to the sharding they had at setup (an all-gather per
+        # parameter for ZeRO-1).
+        first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
+        if first.state_place is not None:
+            new = constrain_stack(new, first.state_place, first.shape)
+        new_stacks.append(new)
+        # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
+        # update into one kernel per leaf that writes the new parameter directly.
+        new_x = [apply_step(xm, step_row(d, m)) for m, xm in enumerate(x)]
+        if first.state_place is not None:
+            new_x = [constrain(v, lay.params[prog.stepping[a]].place)
+                     for v, a in zip(new_x, prog.stack_plan[j][2])]
+        new_params.append(tuple(new_x))
+    return new_stacks, new_params, assemble(packs, written)
+
+
+def _fused_branches(prog: Program, rule: Any, js: list):
+    """`_rule_step` with optim's fused CPU kernel (optim._fused; only where `fused.usable`), and XLA's path, as
+    functions of `(the rule's hyperparameters, stacks, packs, parameters, gradients)`, and the hyperparameters.
+    The kernel has no derivative: differentiated (a meta-gradient through `update`), the kernel's function is
+    XLA's path, by a custom JVP (hence the hyperparameters as arguments: they may be what is differentiated).
+    The functions reach the Program through a weak reference: the traced program keeps them, and the Program
+    keeps the traced program (see `_jitted`)."""
+    ref, (hypers, treedef) = weakref.ref(prog), jax.tree_util.tree_flatten(rule)
+
+    def xla(hypers, stacks, packs, xs, gs):
+        return _rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs, gs)
+
+    @jax.custom_jvp
+    def cpu(hypers, stacks, packs, xs, gs):
+        prog = ref()
+        lay = prog.layout
+        new_stacks, new_params, written = fused.step(
+            treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
+            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, [tuple(d[0] for d in g) for g in gs], packs)
+        return new_stacks, new_params, assemble(packs, written)
+
+    cpu.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
+    return cpu, xla, hypers
 
 
 def _row_squares(g: jax.Array, x: jax.Array, new: jax.Array) -> jax.Array:

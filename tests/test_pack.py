@@ -3,8 +3,7 @@
 Packing changes only how the state is stored, and hoisting only where XLA computes a rule's per-parameter
 numbers: every result must equal the plain path (each stack runs its whole rule, `_hoist.ENABLED = False`) to
 a few ulp of each array's scale, through `None` gradients, frozen and tied parameters, stacked and single
-groups. The compiled program
-is checked for size (kernels and copies per parameter, against optax's), not for time.
+groups. The compiled program is checked for size (kernels and copies per parameter, against optax's), not for time.
 """
 
 import jax
@@ -15,9 +14,15 @@ import pytest
 
 import optim
 from bench.program import entry_counts
-from optim import _hoist, _pack
+from optim import _fused, _hoist, _pack
 
 BIG = 8200          # above optim._stack.STACK_MAX_SIZE: each such parameter is alone in its stack
+
+
+@pytest.fixture(autouse=True)
+def xla_path(monkeypatch):
+    """These tests are about XLA's path: on CPU, Adam would otherwise run in optim's kernel (tests/test_fused.py)."""
+    monkeypatch.setattr(_fused, "ENABLED", False)
 
 
 def model():

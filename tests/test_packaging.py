@@ -108,13 +108,17 @@ def test_sdist_has_the_package_the_marker_and_the_license(dist):
 
 
 def test_wheel_has_the_package_the_marker_and_the_metadata(dist):
-    wheel = _one(dist, f"{PROJECT}-*-py3-none-any.whl")
+    wheel = _one(dist, f"{PROJECT}-*.whl")
     version = _source_version()
-    assert wheel.name == f"{PROJECT}-{version}-py3-none-any.whl"
+    # A wheel for this interpreter and platform: it holds the fused CPU kernel, compiled by setup.py.
+    tag = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert wheel.name == f"{PROJECT}-{version}-{py}-{py}-{tag}.whl"
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         meta = z.read(f"{PROJECT}-{version}.dist-info/METADATA").decode()
     assert "optim/py.typed" in names
+    assert [n for n in names if n.startswith("optim/_fused_kernel") and n.endswith(".so")], sorted(names)
     assert _modules() <= names, sorted(_modules() - names)
     assert not any(n.startswith(("tests/", "examples/", "bench/", "notebooks/")) for n in names)
     assert f"{PROJECT}-{version}.dist-info/licenses/LICENSE" in names
@@ -141,12 +145,13 @@ print(json.dumps({
     "dist_version": importlib.metadata.version("optim-jax"),
     "py_typed": (Path(optim.__file__).parent / "py.typed").is_file(),
     "tied": m["enc"] is m["dec"],
+    "fused": optim._fused.AVAILABLE,
 }))
 """
 
 
 def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(dist, tmp_path):
-    wheel = _one(dist, f"{PROJECT}-*-py3-none-any.whl")
+    wheel = _one(dist, f"{PROJECT}-*.whl")
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
@@ -164,6 +169,7 @@ def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(d
     assert got["version"] == got["dist_version"] == _source_version()
     assert got["py_typed"]
     assert got["tied"]
+    assert got["fused"]                 # the wheel's kernel loads (and ran the example's Adam step)
 
 
 def test_notebook_install_cell_installs_optim_jax_or_says_how(dist, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 import optim
 import optim._stack as optim_stack
+from optim import _fused
 from optim._step import apply_all, apply_step
 
 from test_rules import CASES
@@ -94,6 +95,12 @@ def close_in_ulps(got, want, scale, name, what, limit):
     tol = limit * np.spacing(np.maximum(np.maximum(np.abs(want), np.abs(scale)), np.float32(1e-30)))
     bad = ~((np.abs(got - want) <= tol) | (np.isnan(got) & np.isnan(want)))
     assert not bad.any(), f"{name}: {what}: {got[bad]} vs {want[bad]} (more than {limit} ulp)"
+
+
+@pytest.fixture(autouse=True)
+def xla_path(monkeypatch):
+    """XLA's path on both sides: the kernel (tests/test_fused.py) does not round where XLA's fusions do."""
+    monkeypatch.setattr(_fused, "ENABLED", False)
 
 
 @pytest.mark.parametrize("name, make", RULES, ids=[r[0] for r in RULES])

@@ -1,0 +1,256 @@
+// The fused CPU step of optim's elementwise rules, an XLA FFI custom call (see optim/_fused.py).
+//
+// XLA:CPU runs Adam's update as three loops over the parameter (the two moments, then the step), each reading
+// and writing whole arrays; this kernel does the one pass the arithmetic needs: per element it reads x, g and
+// the state and writes them back, in place (the Python side aliases every state and parameter input to its
+// output). Large calls are split into chunks run on XLA's intra-op thread pool; the call returns a future that
+// the last chunk completes, so no thread waits for another.
+//
+// Operands: `scalars` (members, 8) float32, one row per member:
+//   [lr, b1, b2, eps, c1, c2, wd, gs] (Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t)),
+//   [lr, b1, b2, ., ., ., ., gs] (Lion), [lr, rho, ..., gs] (Momentum), [lr, ..., gs] (Descent),
+//   where gs scales the gradient (a chain's ClipGlobalNorm factor, else 1);
+// then B sets of state stacks (Adam: m, v; Lion: m; Momentum: v; Descent: none), each stack (its size, n);
+// then the members' parameters x_1..x_k and gradients g_1..g_k, n elements each. Attributes: `sets` and `rows`,
+// per member its set of state stacks and its row in them (rows that no member names keep their values).
+// Results: the state stacks, then x_1..x_k. Dtypes: parameters (and their gradients) float32 or bfloat16, each
+// state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order of the rules in
+// optim/_rules.py.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Kind : int64_t { kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5 };
+
+int StateCount(int64_t kind) {
+  switch (kind) {
+    case kAdam: case kAdamWCoupled: case kAdamWDecoupled: return 2;
+    case kLion: case kMomentum: return 1;
+    default: return 0;
+  }
+}
+
+// bfloat16 as XLA stores it: the high half of a float32, rounded to nearest even.
+struct BF16 { uint16_t bits; };
+
+inline float Load(float v) { return v; }
+inline float Load(BF16 v) {
+  uint32_t u = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename T> inline T Store(float f);
+template <> inline float Store<float>(float f) { return f; }
+template <> inline BF16 Store<BF16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{uint16_t((u >> 16) | 0x40)};   // NaN stays a (quiet) NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BF16{uint16_t(u >> 16)};
+}
+
+struct Work {
+  int64_t kind, n;
+  const float* scalars;
+  const int64_t* rows;
+  const int64_t* sets;
+  int64_t ns;                        // state stacks per set
+  std::vector<void*> state;          // the sets' state stacks, set by set (updated in place)
+  std::vector<void*> x;              // per member: the parameter (updated in place)
+  std::vector<const void*> g;        // per member: the gradient
+};
+
+// Elements [lo, hi) of member r.
+template <int64_t K, typename P, typename M1, typename M2>
+void Run(const Work& w, int64_t r, int64_t lo, int64_t hi) {
+  const float* s = w.scalars + 8 * r;
+  const float lr = s[0], b1 = s[1], b2 = s[2], eps = s[3], c1 = s[4], c2 = s[5], wd = s[6], gs = s[7];
+  const float nb1 = 1 - b1, nb2 = 1 - b2;
+  P* x = static_cast<P*>(w.x[r]);
+  const P* g = static_cast<const P*>(w.g[r]);
+  const int64_t at = w.rows[r] * w.n, set = w.sets[r] * w.ns;
+  M1* m = StateCount(K) > 0 ? static_cast<M1*>(w.state[set]) + at : nullptr;
+  M2* v = StateCount(K) > 1 ? static_cast<M2*>(w.state[set + 1]) + at : nullptr;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float gi = Load(g[i]) * gs, xi = Load(x[i]);
+    float step;
+    if constexpr (K == kAdam || K == kAdamWCoupled || K == kAdamWDecoupled) {
+      const float mi = b1 * Load(m[i]) + nb1 * gi;
+      const float vi = b2 * Load(v[i]) + nb2 * (gi * gi);
+      m[i] = Store<M1>(mi);
+      v[i] = Store<M2>(vi);
+      const float a = mi * c1 / (std::sqrt(vi * c2) + eps);
+      if constexpr (K == kAdam) step = a * lr;
+      else if constexpr (K == kAdamWCoupled) step = lr * (a + wd * xi);
+      else step = lr * a + wd * xi;
+    } else if constexpr (K == kLion) {
+      const float mi = Load(m[i]);
+      const float u = b1 * mi + nb1 * gi;
+      step = u != u ? u : lr * float((u > 0) - (u < 0));   // sign, NaN kept (as jnp.sign)
+      m[i] = Store<M1>(b2 * mi + nb2 * gi);
+    } else if constexpr (K == kMomentum) {
+      const float vi = b1 * Load(m[i]) + lr * gi;     // b1 is rho
+      m[i] = Store<M1>(vi);
+      step = vi;
+    } else {
+      step = lr * gi;
+    }
+    x[i] = Store<P>(xi - step);
+  }
+}
+
+using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
+
+template <int64_t K, typename P, typename M1>
+Runner Pick2(bool m2_bf16) {
+  return m2_bf16 ? &Run<K, P, M1, BF16> : &Run<K, P, M1, float>;
+}
+template <int64_t K, typename P>
+Runner Pick1(bool m1_bf16, bool m2_bf16) {
+  return m1_bf16 ? Pick2<K, P, BF16>(m2_bf16) : Pick2<K, P, float>(m2_bf16);
+}
+template <int64_t K>
+Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16) {
+  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16) : Pick1<K, float>(m1_bf16, m2_bf16);
+}
+Runner Pick(int64_t kind, bool p, bool m1, bool m2) {
+  switch (kind) {
+    case kAdam: return Pick0<kAdam>(p, m1, m2);
+    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2);
+    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2);
+    case kLion: return Pick0<kLion>(p, m1, m2);
+    case kMomentum: return Pick0<kMomentum>(p, m1, m2);
+    case kDescent: return Pick0<kDescent>(p, m1, m2);
+  }
+  return nullptr;
+}
+
+// Elements [lo, hi) of the members' elements laid end to end.
+void RunRange(const Work& w, Runner run, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    const int64_t r = lo / w.n, i = lo % w.n, stop = std::min(hi - r * w.n, w.n);
+    run(w, r, i, stop);
+    lo = r * w.n + stop;
+  }
+}
+
+bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+constexpr int64_t kChunk = 1 << 16;   // elements per task: ~1 MB of traffic, far above a task's scheduling cost
+
+using Scalars = ffi::Buffer<ffi::F32, 2>;
+
+ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows) {
+  auto fail = [](const char* what) {
+    ffi::Promise p;
+    ffi::Future f(p);
+    p.SetError(ffi::Error::InvalidArgument(what));
+    return f;
+  };
+  if (kind < kAdam || kind > kDescent) return fail("optim_fused: unknown kind");
+  const int64_t ns = StateCount(kind), k = int64_t(rows.size());
+  const int64_t nstate = int64_t(args.size()) - 2 * k;
+  if (k == 0 || int64_t(sets.size()) != k || nstate < 0 || (ns == 0 ? nstate != 0 : nstate % ns != 0) ||
+      int64_t(rets.size()) != nstate + k)
+    return fail("optim_fused: wrong number of operands");
+  if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != 8)
+    return fail("optim_fused: scalars must be (members, 8)");
+  auto w = std::make_shared<Work>();
+  w->kind = kind;
+  w->ns = ns;
+  w->scalars = scalars.typed_data();
+  w->rows = rows.begin();
+  w->sets = sets.begin();
+  bool bf16[3] = {false, false, false};
+  std::vector<int64_t> set_rows;
+  for (int64_t j = 0; j < nstate; ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value() || !IsFloat(in->element_type()) ||
+        (j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + j % ns]))
+      return fail("optim_fused: state stacks must be float32 or bfloat16, alike across sets");
+    // Aliased, `out` is `in`; were it not, the rows that do not step must still come through.
+    if ((*out)->untyped_data() != in->untyped_data())
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+    w->state.push_back((*out)->untyped_data());
+    if (j < ns) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
+    auto d = in->dimensions();
+    set_rows.push_back(d.size() == 0 ? 1 : d[0]);
+  }
+  w->n = 0;
+  for (int64_t r = 0; r < k; ++r) {
+    auto x = args.get<ffi::AnyBuffer>(nstate + r);
+    auto g = args.get<ffi::AnyBuffer>(nstate + k + r);
+    auto out = rets.get<ffi::AnyBuffer>(nstate + r);
+    if (!x.has_value() || !g.has_value() || !out.has_value() || !IsFloat(x->element_type()) ||
+        g->element_type() != x->element_type() ||
+        (r > 0 && (x->element_type() == ffi::DataType::BF16) != bf16[0]))
+      return fail("optim_fused: parameters and gradients must share one float32 or bfloat16 dtype");
+    const int64_t n = int64_t(x->element_count());
+    if (r == 0) {
+      w->n = n;
+      bf16[0] = x->element_type() == ffi::DataType::BF16;
+    }
+    if (n != w->n || int64_t(g->element_count()) != n) return fail("optim_fused: members differ in size");
+    if (ns > 0) {
+      if (sets[r] < 0 || (sets[r] + 1) * ns > nstate || rows[r] < 0) return fail("optim_fused: bad set or row");
+      for (int64_t j = 0; j < ns; ++j) {
+        auto st = args.get<ffi::AnyBuffer>(sets[r] * ns + j);
+        if (rows[r] >= set_rows[sets[r] * ns + j] || int64_t(st->element_count()) != set_rows[sets[r] * ns + j] * n)
+          return fail("optim_fused: a state stack is not (rows, parameter size)");
+      }
+    }
+    if ((*out)->untyped_data() != x->untyped_data())
+      std::memcpy((*out)->untyped_data(), x->untyped_data(), x->size_bytes());
+    w->x.push_back((*out)->untyped_data());
+    w->g.push_back(g->untyped_data());
+  }
+  Runner run = Pick(kind, bf16[0], bf16[1], bf16[2]);
+  const int64_t total = k * w->n;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t tasks = std::min<int64_t>(threads, (total + kChunk - 1) / kChunk);
+  ffi::Promise done;
+  ffi::Future future(done);       // made first: a promise makes one future, before anything else holds it
+  if (tasks <= 1) {
+    RunRange(*w, run, 0, total);
+    done.SetAvailable();
+    return future;
+  }
+  // `tasks` equal ranges: tasks - 1 on the pool and one here; the last to finish completes the future.
+  ffi::CountDownPromise count(done, tasks);
+  for (int64_t t = 1; t < tasks; ++t) {
+    const int64_t lo = total * t / tasks, hi = total * (t + 1) / tasks;
+    pool.Schedule([w, run, lo, hi, count]() mutable {
+      RunRange(*w, run, lo, hi);
+      count.CountDown();
+    });
+  }
+  RunRange(*w, run, 0, total / tasks);
+  count.CountDown();
+  return future;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
+                           .Arg<Scalars>()
+                           .RemainingArgs()
+                           .RemainingRets()
+                           .Attr<int64_t>("kind")
+                           .Attr<ffi::Span<const int64_t>>("sets")
+                           .Attr<ffi::Span<const int64_t>>("rows"));
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) { return kOptimFused(call_frame); }

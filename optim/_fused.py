@@ -1,0 +1,232 @@
+"""The fused CPU step: Adam, AdamW, Lion, Momentum and Descent in one pass over each parameter.
+
+XLA:CPU compiles Adam's update into three loops over each parameter (the first moment, the second, then the
+step, which re-reads both), and cannot fuse them into one (there is no multi-output loop fusion on CPU). The step
+is memory-bound, so three passes cost about twice what one does. `optim/_fused.cc` is that one pass, an XLA FFI
+custom call: per element it reads the parameter, its gradient and its state and writes the new ones in place
+(every state and parameter input is aliased to its output; with `donate=True`, or buffers XLA owns inside a
+jit, nothing is copied), split into chunks on XLA's intra-op thread pool.
+
+`update` uses it (`step`) for a rule of one of those five exact types, alone or after a `ClipGlobalNorm` in a
+two-stage chain (the clip factor scales the gradient inside the kernel), on parameters of float32 or bfloat16
+(states float32 or bfloat16), one gradient tree, scalar hyperparameters, and parameters that are not sharded
+over several devices (a sharded array would be gathered to run a custom call: XLA's own path is kept). It
+groups the stepping members of a rule's stacks by shape, at most `MAX_MEMBERS` per call. The rule's
+hyperparameters and Adam's bias corrections are computed by XLA and passed as one small `(members, 8)` array.
+
+CPU only: where the process has another backend, `update` wraps the choice in `lax.platform_dependent`, so a
+program lowered for GPU or TPU runs XLA's path (which fuses there) and only a CPU lowering runs the kernel.
+
+The kernel is compiled at install (`setup.py`) and optional: without it (no compiler at install), or with the
+environment variable `OPTIM_FUSED=0` (read at import; `optim._fused.ENABLED` can also be set), `update` runs
+the rules' JAX code, the reference the tests compare the kernel with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._pack import is_packed
+from ._rules import Adam, AdamW, Descent, Lion, Momentum
+from ._stack import row_index
+from ._step import as_compute, clip_factor, eps_of, real_dtype
+from ._wrappers import ClipGlobalNorm, OptimiserChain, joint_norm
+
+__all__ = ["ENABLED", "AVAILABLE", "usable", "only_cpu", "step"]
+
+ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
+_TARGET = "optim_fused"
+_log = logging.getLogger("optim")
+
+# Kernel kinds (optim/_fused.cc) and state arrays per member.
+_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT = range(6)
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _load() -> tuple[bool, str]:
+    found = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_fused_kernel*.so")))
+    if not found:
+        return False, "optim's fused CPU kernel was not built at install (no C++ compiler?)"
+    try:
+        lib = ctypes.CDLL(found[0])
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.optim_fused), platform="cpu")
+    except Exception as e:      # an incompatible jaxlib, a broken file: the JAX path still works
+        return False, f"optim's fused CPU kernel {found[0]} could not be loaded: {e!r}"
+    return True, f"optim's fused CPU kernel: {found[0]}"
+
+
+AVAILABLE, WHY = _load()
+_log.debug("%s%s", WHY, "" if AVAILABLE else "; update runs the pure-JAX path")
+
+
+def only_cpu() -> bool:
+    """Whether this process has no backend but the CPU (then the kernel is used without a platform switch)."""
+    global _ONLY_CPU
+    if _ONLY_CPU is None:
+        _ONLY_CPU = jax.default_backend() == "cpu" and {d.platform for d in jax.devices()} == {"cpu"}
+        for other in ("gpu", "tpu"):
+            try:
+                jax.devices(other)
+                _ONLY_CPU = False
+            except RuntimeError:
+                pass
+    return _ONLY_CPU
+
+
+_ONLY_CPU: bool | None = None
+
+
+def _parts(rule: Any) -> tuple[Any, Any]:
+    """`(clip, rule)`: a two-stage `chain(ClipGlobalNorm, rule)` as its clip and its rule; else `(None, rule)`."""
+    if type(rule) is OptimiserChain and len(rule.rules) == 2 and type(rule.rules[0]) is ClipGlobalNorm:
+        return rule.rules
+    return None, rule
+
+
+def _kind(rule: Any) -> int | None:
+    t = type(rule)
+    if t is Adam:
+        return _ADAM
+    if t is AdamW:
+        return _ADAMW_COUPLED if rule.couple else _ADAMW
+    return {Lion: _LION, Momentum: _MOMENTUM, Descent: _DESCENT}.get(t)
+
+
+def _single_device(place: Any) -> bool:
+    return place is None or len(getattr(place, "device_set", ())) == 1
+
+
+def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> bool:
+    """Whether `update` can run `rule` on these stacks with the kernel. `params[i]`: the `Param` of stack `i`'s
+    first member (all members share shape, dtype and placement), `stored[i]` its stored state tree, `sizes[i]`
+    its number of members; `n_trees`: the number of gradient trees."""
+    if not (ENABLED and AVAILABLE) or n_trees != 1:
+        return False
+    kind = _kind(_parts(rule)[1])
+    if kind is None:
+        return False
+    try:
+        if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and _sharded(h) for h in jax.tree.leaves(rule)):
+            return False
+    except TypeError:
+        return False
+    for p, tree, n in zip(params, stored, sizes):
+        if jnp.dtype(p.dtype) not in _FLOATS or p.state_place is not None or not _single_device(p.place):
+            return False
+        leaves = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)[0]
+        wide = [a for a in leaves if not is_packed(a)]
+        if kind in (_ADAM, _ADAMW_COUPLED, _ADAMW):
+            if len(leaves) != 3 or not is_packed(leaves[2]) or len(wide) != 2:
+                return False
+        elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
+            return False
+        for a in wide:
+            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in _FLOATS or _sharded(a):
+                return False
+    return True
+
+
+def _sharded(a: Any) -> bool:
+    s = getattr(jax.typeof(a), "sharding", None)
+    return s is not None and not s.mesh.empty
+
+
+def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple):
+    """One step of `rule` with the kernel (see `usable`). Per stack `i`: `stored[i]` its stored state tree,
+    `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and summed
+    gradients (one array per member). Returns `(new stored trees, new parameters per stack, new pack rows
+    [(group, leaf, rows of the pack, values)])`, as `update`'s XLA path does."""
+    clip, rule = _parts(rule)
+    kind = _kind(rule)
+    scale = jnp.ones((), jnp.float32)
+    if clip is not None:     # ClipGlobalNorm's factor, as its `apply_tree` computes it, over all these members
+        g0 = gs[0][0]
+        norm = joint_norm([g for member in gs for g in member])
+        scale = clip_factor(as_compute(clip.max_norm, g0), norm.astype(real_dtype(g0))).astype(jnp.float32)
+    flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in stored]
+    wides = [[a for a in leaves if not is_packed(a)] for leaves, _ in flat]
+    # Members grouped by parameter shape, dtype and state dtypes: one call per group of at most MAX_MEMBERS.
+    groups: dict = {}
+    for i in range(len(stored)):
+        x0 = xs[i][0]
+        key = (tuple(x0.shape), jnp.dtype(x0.dtype), tuple(jnp.dtype(a.dtype) for a in wides[i]))
+        for m, r in enumerate(rows[i]):
+            groups.setdefault(key, []).append((i, m, r))
+    new_wides = [list(w) for w in wides]
+    new_xs = [list(x) for x in xs]
+    pack_rows: list = []
+    for members in groups.values():
+        for lo in range(0, len(members), MAX_MEMBERS):
+            call = members[lo:lo + MAX_MEMBERS]
+            stacks = list(dict.fromkeys(i for i, _, _ in call))        # the calls' sets of state stacks, in order
+            x0 = xs[call[0][0]][0]
+            scalars, writes = _scalars(kind, rule, x0, call, flat, packs, scale)
+            pack_rows += writes
+            state_in = [a for i in stacks for a in new_wides[i]]
+            outs = _call(kind, scalars, state_in, [xs[i][m] for i, m, _ in call], [gs[i][m] for i, m, _ in call],
+                         [stacks.index(i) for i, _, _ in call], [r for _, _, r in call])
+            ns = len(wides[stacks[0]])
+            for s, i in enumerate(stacks):
+                new_wides[i] = list(outs[s * ns:(s + 1) * ns])
+            for (i, m, _), x in zip(call, outs[len(state_in):]):
+                new_xs[i][m] = x
+    new_stored = []
+    for (leaves, treedef), w in zip(flat, new_wides):
+        it = iter(w)
+        new_stored.append(treedef.unflatten([a if is_packed(a) else next(it) for a in leaves]))
+    return new_stored, [tuple(x) for x in new_xs], pack_rows
+
+
+def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array):
+    """The `(members, 8)` float32 scalars of one call (see optim/_fused.cc), and for Adam the new bias-correction
+    powers as pack rows: `[(group, leaf, rows of the pack, values)]`."""
+    k = len(call)
+    zero = jnp.zeros((), jnp.float32)
+    lr = as_compute(rule.lr, x)
+    if kind == _DESCENT:
+        row = [lr]
+    elif kind == _MOMENTUM:
+        row = [lr, as_compute(rule.rho, x)]
+    elif kind == _LION:
+        row = [lr, as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)]
+    else:
+        b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
+        wd = as_compute(rule.weight_decay, x) if kind != _ADAM else zero
+        # This call's members' powers (β₁ᵗ, β₂ᵗ): their rows of the packs, read per pack group, in call order.
+        bts, runs, writes = [], [], []
+        for i, _, r in call:
+            p = flat[i][0][2]
+            key = (p.group, p.leaf)
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append(p.start + r)
+            else:
+                runs.append((key, [p.start + r]))
+        for (g, leaf), at in runs:
+            bt = packs[g][leaf][row_index(tuple(at))]
+            bts.append(bt)
+            writes.append((g, leaf, tuple(at), bt * jnp.stack([b1, b2]).astype(bt.dtype)))
+        bt = (bts[0] if len(bts) == 1 else jnp.concatenate(bts)).astype(jnp.float32)
+        c = 1 / (1 - bt)
+        head = jnp.broadcast_to(jnp.stack([lr, b1, b2, eps_of(rule.eps, x)]).astype(jnp.float32), (k, 4))
+        tail = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32), scale]), (k, 2))
+        return jnp.concatenate([head, c, tail], axis=1), writes
+    row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + [scale])
+    return jnp.broadcast_to(row, (k, 8)), []
+
+
+def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, sets: list, rows: list) -> list:
+    """The kernel on one call's operands: returns the new state stacks, then the new parameters."""
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state + xs]
+    alias = {1 + j: j for j in range(len(state) + len(xs))}      # operand 0 is `scalars`
+    f = jax.ffi.ffi_call(_TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
+    return f(scalars, *state, *xs, *gs, kind=np.int64(kind), sets=np.asarray(sets, np.int64),
+             rows=np.asarray(rows, np.int64))

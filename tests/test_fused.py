@@ -1,0 +1,193 @@
+"""optim's fused CPU kernel (`optim._fused`, `optim/_fused.cc`): the same numbers as XLA's path, in one pass.
+
+The reference is the rules' own JAX code (`_fused.ENABLED = False`), compared to a few ulp of each array's scale
+(the kernel does not contract multiply-adds where XLA does). Every case checks that the kernel really ran (its
+custom call is in the program). `make test` builds the kernel (`pip install -e .` compiles it), so a missing
+kernel is a failure here, not a skip.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optim
+from bench.program import entry_counts
+from optim import _fused
+from tests.test_pack import assert_ulp
+
+BIG = 8200          # above optim._stack.STACK_MAX_SIZE: alone in its stack
+
+
+def test_kernel_is_built_and_loaded():
+    assert _fused.AVAILABLE, _fused.WHY
+    assert _fused.ENABLED
+
+
+def model(dtype=jnp.float32):
+    k = iter(jax.random.split(jax.random.PRNGKey(1), 12))
+    emb = jax.random.normal(next(k), (BIG,), dtype)
+    return {"emb": emb, "head": emb,                                              # tied
+            "big": [jax.random.normal(next(k), (BIG,), dtype) for _ in range(3)],  # alone in their stacks
+            "mat": jax.random.normal(next(k), (90, 100), dtype),                   # another shape
+            "small": [jax.random.normal(next(k), (5,), dtype) for _ in range(4)],   # one stack of 4
+            "s": jnp.asarray(0.5, dtype)}                                          # a scalar
+
+
+def grads_at(t, m):
+    g = jax.tree.map(lambda a: (jnp.cos(a * (t + 1)) * 0.3 + 0.01 * t).astype(a.dtype), m)
+    if t % 3 == 1:
+        g["big"][1] = None                   # a single-member stack does not step
+        g["small"][2] = None                 # one row of a stack does not step
+    if t % 3 == 2:
+        g["emb"] = None                      # half a tie still steps (the head's gradient)
+    return g
+
+
+def train(rule, dtype=jnp.float32, steps=3, fused=True, jit=False, monkeypatch=None):
+    monkeypatch.setattr(_fused, "ENABLED", fused)
+    m = model(dtype)
+    state = optim.freeze(optim.setup(rule, m), "big.2")
+    upd = jax.jit(lambda s, m, g: optim.update(s, m, g)) if jit else optim.update   # a fresh function per run
+    for t in range(steps):
+        state, m = upd(state, m, grads_at(t, m))
+    return state, m
+
+
+def uses_kernel(rule, dtype=jnp.float32) -> bool:
+    m = model(dtype)
+    text = jax.jit(lambda s, m, g: optim.update(s, m, g)).lower(optim.setup(rule, m), m, grads_at(0, m)).as_text()
+    return "optim_fused" in text
+
+
+RULES = {
+    "Adam": optim.Adam(0.01),
+    "AdamW": optim.AdamW(0.01, weight_decay=0.1),
+    "AdamW decoupled": optim.AdamW(0.01, weight_decay=0.01, couple=False),
+    "Adam bf16 moments": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "Lion": optim.Lion(0.01),
+    "Momentum": optim.Momentum(0.01, mu_dtype=jnp.bfloat16),
+    "Descent": optim.Descent(0.1),
+    "Adam, a schedule": optim.Adam(optim.WSD(0.01, 2, 2, 4)),
+    # The clip factor scales the gradient inside the kernel; 5.0 clips at every step here (norms 44-50).
+    "chain(ClipGlobalNorm, AdamW)": optim.chain(optim.ClipGlobalNorm(5.0), optim.AdamW(0.01, weight_decay=0.1)),
+    "chain(ClipGlobalNorm, Lion)": optim.chain(optim.ClipGlobalNorm(5.0), optim.Lion(0.01)),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_fused_equals_xla(name, monkeypatch):
+    rule = RULES[name]
+    state, m = train(rule, monkeypatch=monkeypatch)
+    assert uses_kernel(rule)
+    want_state, want = train(rule, fused=False, monkeypatch=monkeypatch)
+    assert_ulp(m, want)
+    assert_ulp(state.stacks, want_state.stacks)
+    assert m["emb"] is m["head"]
+    np.testing.assert_array_equal(m["big"][2], model()["big"][2])       # frozen
+
+
+@pytest.mark.parametrize("name", ["Adam", "Lion"])
+def test_fused_bfloat16_parameters(name, monkeypatch):
+    rule = RULES[name]
+    state, m = train(rule, jnp.bfloat16, jit=True, monkeypatch=monkeypatch)
+    assert uses_kernel(rule, jnp.bfloat16)
+    want_state, want = train(rule, jnp.bfloat16, fused=False, jit=True, monkeypatch=monkeypatch)
+    assert_ulp(m, want, ulps=2)
+    assert_ulp(state.stacks, want_state.stacks)
+
+
+def test_inputs_untouched_without_donation():
+    m = model()
+    before = jax.tree.map(np.array, m)
+    state = optim.setup(optim.Adam(0.1), m)
+    moments = jax.tree.map(np.array, state.stacks)
+    new_state, new = optim.update(state, m, grads_at(0, m))
+    for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(state.stacks), jax.tree.leaves(moments), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(new["mat"], before["mat"])
+
+
+def test_donated_step_runs_in_place():
+    """A user-jitted, donated Adam step on 4 parameters of 16k floats: one kernel call for all four (their moments
+    are separate stacks, one set each), no copy of a parameter's or a moment's array (the one copy is of the
+    pack of bias-correction powers, 4 x 2 numbers). XLA's path compiles 16 fusions (optax: 15)."""
+    m = {f"w{i}": jnp.ones(16384) * (i + 1) for i in range(4)}
+    g = jax.tree.map(lambda a: a * 0.1, m)
+    f = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
+    text = f.lower(optim.setup(optim.Adam(1e-3), m), m, g).compile().as_text()
+    c = entry_counts(text)
+    assert text.count('custom_call_target="optim_fused"') == 1
+    assert c["copies"] <= 1 and c["fusions"] <= 4
+    assert all("f32[4,2]" in line for line in text[text.index("ENTRY"):].splitlines() if " copy(" in line)
+
+
+def test_vmap_runs_each_member(monkeypatch):
+    """Under `vmap` (a batch of models), the kernel runs once per batch entry (`vmap_method="sequential"`)."""
+    m = {"w": jnp.ones(BIG), "v": jnp.ones((3, 4))}
+    batch = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), m)
+    g = jax.tree.map(lambda a: jnp.stack([a * 0.1, -a]), m)
+    states = jax.tree.map(lambda a: jnp.stack([a, a]), optim.setup(optim.Adam(0.1), m))
+
+    def run():
+        return jax.vmap(lambda s, x, d: optim.update(s, x, d))(states, batch, g)
+
+    got = run()
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    want = run()
+    assert_ulp(got[1], want[1])
+    assert_ulp(got[0].stacks, want[0].stacks)
+
+
+def test_with_another_backend_the_choice_is_per_platform(monkeypatch):
+    """Where the process also has a GPU or TPU, `update` wraps the kernel in `lax.platform_dependent`: lowered for
+    the CPU it is the kernel alone (no conditional), with the same numbers."""
+    monkeypatch.setattr(_fused, "_ONLY_CPU", False)
+    m = model()
+    state = optim.setup(optim.Adam(0.1), m)
+    f = jax.jit(lambda s, m, g: optim.update(s, m, g))
+    text = f.lower(state, m, grads_at(0, m)).compile().as_text()
+    assert "optim_fused" in text and "conditional" not in text
+    got = f(state, m, grads_at(0, m))
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    assert_ulp(got, optim.update(state, m, grads_at(0, m)))
+
+
+def test_not_used_where_it_does_not_apply(monkeypatch):
+    assert not uses_kernel(optim.NAdam(0.01))                                  # another rule
+    assert not uses_kernel(optim.chain(optim.ClipNorm(1.0), optim.Adam(0.01)))     # another chain
+    assert not uses_kernel(optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(0.01), optim.Scale(0.5)))
+    x = {"w": jnp.ones(BIG, jnp.float16)}
+    assert "optim_fused" not in jax.jit(optim.update).lower(optim.setup(optim.Adam(0.1), x), x, x).as_text()
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    assert not uses_kernel(optim.Adam(0.01))
+
+
+def test_environment_variable_turns_it_off():
+    code = ("import jax, jax.numpy as jnp, optim; from optim import _fused; x = jnp.ones(3); "
+            "t = jax.jit(optim.update).lower(optim.setup(optim.Adam(), x), x, x).as_text(); "
+            "print(_fused.ENABLED, 'optim_fused' in t)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPTIM_FUSED": "0"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_matches_optax_adam():
+    """The kernel's Adam is optax's (to float32 rounding: optim computes `1 - β` in float32)."""
+    m = {"w": jnp.linspace(-1, 1, BIG), "b": jnp.linspace(0, 2, 7)}
+    state, tx = optim.setup(optim.Adam(0.01), m), optax.adam(0.01)
+    p, s = m, tx.init(m)
+    for t in range(4):
+        g = jax.tree.map(lambda a: jnp.sin(a * (t + 1)), m)
+        state, m = optim.update(state, m, g)
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
