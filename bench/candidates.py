@@ -16,7 +16,7 @@ LR = 1e-3
 PROBE_BYTES = 12      # a += b: read a, read b, write a (float32)
 ADAM_BYTES = 28       # Adam: read p, g, m, v; write p, m, v (float32)
 
-JAX_CANDIDATES = ["optim eager", "optim eager donate", "optim jit", "optax", "optax.flatten", "probe"]
+JAX_CANDIDATES = ["optim eager", "optim eager donate", "optim jit", "optim jit xla", "optax", "optax.flatten", "probe"]
 UNTIED = " @untied"   # suffix: the same candidate on the untied twin of a tied workload (same unique parameters)
 TORCH_CANDIDATES = ["torch foreach", "torch fused"]
 ALL = JAX_CANDIDATES + TORCH_CANDIDATES
@@ -150,6 +150,32 @@ class OptimJit(Candidate):
         return tree_bytes(self.state.stacks)
 
 
+class OptimJitXla(OptimJit):
+    """`optim jit` with optim's fused CPU kernel off (`optim._fused.ENABLED`, as `OPTIM_FUSED=0`): the rules' JAX
+    code, as XLA compiles it, and the stacks `setup` makes for it (large parameters alone)."""
+
+    name = "optim jit xla"
+
+    def __init__(self, wl):
+        with _no_kernel():
+            super().__init__(wl)
+
+    def step(self):
+        with _no_kernel():        # read when update traces (the first step); the flip costs ~100 ns per step
+            super().step()
+
+
+class _no_kernel:
+    def __enter__(self):
+        from optim import _fused
+
+        self._fused, self._was = _fused, _fused.ENABLED
+        _fused.ENABLED = False
+
+    def __exit__(self, *exc):
+        self._fused.ENABLED = self._was
+
+
 class Optax(Candidate):
     def __init__(self, wl, flat: bool = False):
         import jax
@@ -271,6 +297,8 @@ def make(name: str, wl) -> Candidate:
         return OptimEager(wl, donate=True)
     if name == "optim jit":
         return OptimJit(wl)
+    if name == "optim jit xla":
+        return OptimJitXla(wl)
     if name == "optax":
         return Optax(wl)
     if name == "optax.flatten":

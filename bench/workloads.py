@@ -18,6 +18,9 @@ SPECS: dict[str, tuple[dict, dict]] = {
               {"kind": "leaves", "n": 1, "shape": (256, 256)}),
     "1000x16k": ({"kind": "leaves", "n": 1000, "shape": (128, 128)},
                  {"kind": "leaves", "n": 4, "shape": (16, 16)}),
+    # Issue 13's workload of many small leaves: 10000x1.6k's kind at a size whose optax first call takes ~30 s.
+    "3000x1.6k": ({"kind": "leaves", "n": 3000, "shape": (40, 40)},
+                  {"kind": "leaves", "n": 6, "shape": (8, 8)}),
     "10000x1.6k": ({"kind": "leaves", "n": 10000, "shape": (40, 40)},
                    {"kind": "leaves", "n": 8, "shape": (8, 8)}),
     "tied-lm": ({"kind": "lm", "vocab": 16384, "d": 512, "layers": 3, "tied": True, "twin": "untied-lm"},

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._fused import wide_rules
 from ._step import Rule, is_rule
 from ._schedules import Schedule
 from ._hyper import canonical_numbers
@@ -131,7 +132,7 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
     if len(rules) == len(state.rules):
         return state.replace(layout=lay, rules=rules)
     params = tuple(p if p.rule == r else dataclasses.replace(p, rule=r) for p, r in zip(lay.params, rule_of))
-    layout = Layout(lay.treedef, params, lay.frozen)
+    layout = Layout(lay.treedef, params, lay.frozen, wide_rules(rules))
     if "paths" in lay.__dict__:
         layout.__dict__["paths"] = lay.paths
     return state.regroup(layout, rules)

@@ -251,7 +251,7 @@ class _Plan:
             if lay.param_of[i] >= 0 and i not in owner:
                 raise _Mismatch(f"{show(self.paths[i])} is a trainable leaf of like= but not a parameter in the "
                                 "checkpoint")
-        layout = Layout(lay.treedef, tuple(self.params), tuple(self.frozen))
+        layout = Layout(lay.treedef, tuple(self.params), tuple(self.frozen), lay.wide)
         self.layout = lay if layout == lay else layout     # identical: keep like's (computed paths, identity)
 
     def _param(self, sp: dict, owner: dict[int, str]) -> Param:

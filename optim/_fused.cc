@@ -11,9 +11,12 @@
 //   [lr, b1, b2, ., ., ., ., gs] (Lion), [lr, rho, ..., gs] (Momentum), [lr, ..., gs] (Descent),
 //   where gs scales the gradient (a chain's ClipGlobalNorm factor, else 1);
 // then B sets of state stacks (Adam: m, v; Lion: m; Momentum: v; Descent: none), each stack (its size, n);
-// then the members' parameters x_1..x_k and gradients g_1..g_k, n elements each. Attributes: `sets` and `rows`,
-// per member its set of state stacks and its row in them (rows that no member names keep their values).
-// Results: the state stacks, then x_1..x_k. Dtypes: parameters (and their gradients) float32 or bfloat16, each
+// then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
+// arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
+// writing the sum and reading it back). Attributes: `sets`, `rows` and `parts`: per member its set of state
+// stacks, its row in them (rows that no member names keep their values) and its number of gradient arrays.
+// Results: the state stacks, then x_1..x_k: aliased to their operands (updated in place, when the caller
+// donates), or new buffers (the operands are then only read). Dtypes: parameters (and their gradients) float32 or bfloat16, each
 // state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order of the rules in
 // optim/_rules.py.
 
@@ -65,30 +68,37 @@ struct Work {
   const int64_t* rows;
   const int64_t* sets;
   int64_t ns;                        // state stacks per set
-  std::vector<void*> state;          // the sets' state stacks, set by set (updated in place)
-  std::vector<void*> x;              // per member: the parameter (updated in place)
-  std::vector<const void*> g;        // per member: the gradient
+  std::vector<const void*> state_in;   // the sets' state stacks, set by set
+  std::vector<void*> state_out;        // ... where their new values go (the same buffers when aliased)
+  std::vector<const void*> x_in;       // per member: the parameter
+  std::vector<void*> x_out;            // ... and its new value (in place when aliased)
+  std::vector<const void*> g, g2;    // per member: the gradient (g2: its second part, or null)
 };
 
 // Elements [lo, hi) of member r.
-template <int64_t K, typename P, typename M1, typename M2>
+template <int64_t K, typename P, typename M1, typename M2, bool Two>
 void Run(const Work& w, int64_t r, int64_t lo, int64_t hi) {
   const float* s = w.scalars + 8 * r;
   const float lr = s[0], b1 = s[1], b2 = s[2], eps = s[3], c1 = s[4], c2 = s[5], wd = s[6], gs = s[7];
   const float nb1 = 1 - b1, nb2 = 1 - b2;
-  P* x = static_cast<P*>(w.x[r]);
+  const P* x = static_cast<const P*>(w.x_in[r]);
+  P* xo = static_cast<P*>(w.x_out[r]);
   const P* g = static_cast<const P*>(w.g[r]);
+  const P* g2 = static_cast<const P*>(w.g2[r]);
   const int64_t at = w.rows[r] * w.n, set = w.sets[r] * w.ns;
-  M1* m = StateCount(K) > 0 ? static_cast<M1*>(w.state[set]) + at : nullptr;
-  M2* v = StateCount(K) > 1 ? static_cast<M2*>(w.state[set + 1]) + at : nullptr;
+  const M1* m = StateCount(K) > 0 ? static_cast<const M1*>(w.state_in[set]) + at : nullptr;
+  M1* mo = StateCount(K) > 0 ? static_cast<M1*>(w.state_out[set]) + at : nullptr;
+  const M2* v = StateCount(K) > 1 ? static_cast<const M2*>(w.state_in[set + 1]) + at : nullptr;
+  M2* vo = StateCount(K) > 1 ? static_cast<M2*>(w.state_out[set + 1]) + at : nullptr;
   for (int64_t i = lo; i < hi; ++i) {
-    const float gi = Load(g[i]) * gs, xi = Load(x[i]);
+    // The parts are summed in the parameter's dtype, as XLA sums tied gradients (a bfloat16 sum is rounded).
+    const float gi = (Two ? Load(Store<P>(Load(g[i]) + Load(g2[i]))) : Load(g[i])) * gs, xi = Load(x[i]);
     float step;
     if constexpr (K == kAdam || K == kAdamWCoupled || K == kAdamWDecoupled) {
       const float mi = b1 * Load(m[i]) + nb1 * gi;
       const float vi = b2 * Load(v[i]) + nb2 * (gi * gi);
-      m[i] = Store<M1>(mi);
-      v[i] = Store<M2>(vi);
+      mo[i] = Store<M1>(mi);
+      vo[i] = Store<M2>(vi);
       const float a = mi * c1 / (std::sqrt(vi * c2) + eps);
       if constexpr (K == kAdam) step = a * lr;
       else if constexpr (K == kAdamWCoupled) step = lr * (a + wd * xi);
@@ -97,49 +107,53 @@ void Run(const Work& w, int64_t r, int64_t lo, int64_t hi) {
       const float mi = Load(m[i]);
       const float u = b1 * mi + nb1 * gi;
       step = u != u ? u : lr * float((u > 0) - (u < 0));   // sign, NaN kept (as jnp.sign)
-      m[i] = Store<M1>(b2 * mi + nb2 * gi);
+      mo[i] = Store<M1>(b2 * mi + nb2 * gi);
     } else if constexpr (K == kMomentum) {
       const float vi = b1 * Load(m[i]) + lr * gi;     // b1 is rho
-      m[i] = Store<M1>(vi);
+      mo[i] = Store<M1>(vi);
       step = vi;
     } else {
       step = lr * gi;
     }
-    x[i] = Store<P>(xi - step);
+    xo[i] = Store<P>(xi - step);
   }
 }
 
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
+template <int64_t K, typename P, typename M1, typename M2>
+Runner Pick3(bool two) {
+  return two ? &Run<K, P, M1, M2, true> : &Run<K, P, M1, M2, false>;
+}
 template <int64_t K, typename P, typename M1>
-Runner Pick2(bool m2_bf16) {
-  return m2_bf16 ? &Run<K, P, M1, BF16> : &Run<K, P, M1, float>;
+Runner Pick2(bool m2_bf16, bool two) {
+  return m2_bf16 ? Pick3<K, P, M1, BF16>(two) : Pick3<K, P, M1, float>(two);
 }
 template <int64_t K, typename P>
-Runner Pick1(bool m1_bf16, bool m2_bf16) {
-  return m1_bf16 ? Pick2<K, P, BF16>(m2_bf16) : Pick2<K, P, float>(m2_bf16);
+Runner Pick1(bool m1_bf16, bool m2_bf16, bool two) {
+  return m1_bf16 ? Pick2<K, P, BF16>(m2_bf16, two) : Pick2<K, P, float>(m2_bf16, two);
 }
 template <int64_t K>
-Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16) {
-  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16) : Pick1<K, float>(m1_bf16, m2_bf16);
+Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16, bool two) {
+  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16, two) : Pick1<K, float>(m1_bf16, m2_bf16, two);
 }
-Runner Pick(int64_t kind, bool p, bool m1, bool m2) {
+Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two) {
   switch (kind) {
-    case kAdam: return Pick0<kAdam>(p, m1, m2);
-    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2);
-    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2);
-    case kLion: return Pick0<kLion>(p, m1, m2);
-    case kMomentum: return Pick0<kMomentum>(p, m1, m2);
-    case kDescent: return Pick0<kDescent>(p, m1, m2);
+    case kAdam: return Pick0<kAdam>(p, m1, m2, two);
+    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2, two);
+    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2, two);
+    case kLion: return Pick0<kLion>(p, m1, m2, two);
+    case kMomentum: return Pick0<kMomentum>(p, m1, m2, two);
+    case kDescent: return Pick0<kDescent>(p, m1, m2, two);
   }
   return nullptr;
 }
 
 // Elements [lo, hi) of the members' elements laid end to end.
-void RunRange(const Work& w, Runner run, int64_t lo, int64_t hi) {
+void RunRange(const Work& w, const Runner* run, int64_t lo, int64_t hi) {
   while (lo < hi) {
     const int64_t r = lo / w.n, i = lo % w.n, stop = std::min(hi - r * w.n, w.n);
-    run(w, r, i, stop);
+    run[w.g2[r] != nullptr](w, r, i, stop);
     lo = r * w.n + stop;
   }
 }
@@ -151,7 +165,8 @@ constexpr int64_t kChunk = 1 << 16;   // elements per task: ~1 MB of traffic, fa
 using Scalars = ffi::Buffer<ffi::F32, 2>;
 
 ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows) {
+                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
+                  ffi::Span<const int64_t> parts) {
   auto fail = [](const char* what) {
     ffi::Promise p;
     ffi::Future f(p);
@@ -160,9 +175,14 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   };
   if (kind < kAdam || kind > kDescent) return fail("optim_fused: unknown kind");
   const int64_t ns = StateCount(kind), k = int64_t(rows.size());
-  const int64_t nstate = int64_t(args.size()) - 2 * k;
-  if (k == 0 || int64_t(sets.size()) != k || nstate < 0 || (ns == 0 ? nstate != 0 : nstate % ns != 0) ||
-      int64_t(rets.size()) != nstate + k)
+  int64_t ngrads = 0;
+  for (int64_t r = 0; r < int64_t(parts.size()); ++r) {
+    if (parts[r] < 1 || parts[r] > 2) return fail("optim_fused: a member has 1 or 2 gradient arrays");
+    ngrads += parts[r];
+  }
+  const int64_t nstate = int64_t(args.size()) - k - ngrads;
+  if (k == 0 || int64_t(sets.size()) != k || int64_t(parts.size()) != k || nstate < 0 ||
+      (ns == 0 ? nstate != 0 : nstate % ns != 0) || int64_t(rets.size()) != nstate + k)
     return fail("optim_fused: wrong number of operands");
   if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != 8)
     return fail("optim_fused: scalars must be (members, 8)");
@@ -180,21 +200,20 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
     if (!in.has_value() || !out.has_value() || !IsFloat(in->element_type()) ||
         (j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + j % ns]))
       return fail("optim_fused: state stacks must be float32 or bfloat16, alike across sets");
-    // Aliased, `out` is `in`; were it not, the rows that do not step must still come through.
-    if ((*out)->untyped_data() != in->untyped_data())
-      std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
-    w->state.push_back((*out)->untyped_data());
+    w->state_in.push_back(in->untyped_data());
+    w->state_out.push_back((*out)->untyped_data());
     if (j < ns) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
     auto d = in->dimensions();
     set_rows.push_back(d.size() == 0 ? 1 : d[0]);
   }
   w->n = 0;
-  for (int64_t r = 0; r < k; ++r) {
+  for (int64_t r = 0, at = nstate + k; r < k; at += parts[r], ++r) {
     auto x = args.get<ffi::AnyBuffer>(nstate + r);
-    auto g = args.get<ffi::AnyBuffer>(nstate + k + r);
+    auto g = args.get<ffi::AnyBuffer>(at);
+    auto g2 = args.get<ffi::AnyBuffer>(parts[r] == 2 ? at + 1 : at);
     auto out = rets.get<ffi::AnyBuffer>(nstate + r);
-    if (!x.has_value() || !g.has_value() || !out.has_value() || !IsFloat(x->element_type()) ||
-        g->element_type() != x->element_type() ||
+    if (!x.has_value() || !g.has_value() || !g2.has_value() || !out.has_value() || !IsFloat(x->element_type()) ||
+        g->element_type() != x->element_type() || g2->element_type() != x->element_type() ||
         (r > 0 && (x->element_type() == ffi::DataType::BF16) != bf16[0]))
       return fail("optim_fused: parameters and gradients must share one float32 or bfloat16 dtype");
     const int64_t n = int64_t(x->element_count());
@@ -202,7 +221,8 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
       w->n = n;
       bf16[0] = x->element_type() == ffi::DataType::BF16;
     }
-    if (n != w->n || int64_t(g->element_count()) != n) return fail("optim_fused: members differ in size");
+    if (n != w->n || int64_t(g->element_count()) != n || int64_t(g2->element_count()) != n)
+      return fail("optim_fused: members differ in size");
     if (ns > 0) {
       if (sets[r] < 0 || (sets[r] + 1) * ns > nstate || rows[r] < 0) return fail("optim_fused: bad set or row");
       for (int64_t j = 0; j < ns; ++j) {
@@ -211,12 +231,25 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
           return fail("optim_fused: a state stack is not (rows, parameter size)");
       }
     }
-    if ((*out)->untyped_data() != x->untyped_data())
-      std::memcpy((*out)->untyped_data(), x->untyped_data(), x->size_bytes());
-    w->x.push_back((*out)->untyped_data());
+    w->x_in.push_back(x->untyped_data());
+    w->x_out.push_back((*out)->untyped_data());
     w->g.push_back(g->untyped_data());
+    w->g2.push_back(parts[r] == 2 ? g2->untyped_data() : nullptr);
   }
-  Runner run = Pick(kind, bf16[0], bf16[1], bf16[2]);
+  // Not aliased (a call that does not donate), the new state is written beside the old: the rows that do not
+  // step are copied over, the others are written by the loop (one pass, not a copy and then a pass).
+  for (int64_t j = 0; j < nstate; ++j) {
+    if (w->state_out[j] == w->state_in[j]) continue;
+    const int64_t row_bytes = int64_t(args.get<ffi::AnyBuffer>(j)->size_bytes()) / set_rows[j];
+    std::vector<char> steps(set_rows[j], 0);
+    for (int64_t r = 0; r < k; ++r)
+      if (sets[r] == j / ns) steps[rows[r]] = 1;
+    for (int64_t row = 0; row < set_rows[j]; ++row)
+      if (!steps[row])
+        std::memcpy(static_cast<char*>(w->state_out[j]) + row * row_bytes,
+                    static_cast<const char*>(w->state_in[j]) + row * row_bytes, row_bytes);
+  }
+  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false), Pick(kind, bf16[0], bf16[1], bf16[2], true)};
   const int64_t total = k * w->n;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tasks = std::min<int64_t>(threads, (total + kChunk - 1) / kChunk);
@@ -231,8 +264,9 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   ffi::CountDownPromise count(done, tasks);
   for (int64_t t = 1; t < tasks; ++t) {
     const int64_t lo = total * t / tasks, hi = total * (t + 1) / tasks;
-    pool.Schedule([w, run, lo, hi, count]() mutable {
-      RunRange(*w, run, lo, hi);
+    pool.Schedule([w, run0 = run[0], run1 = run[1], lo, hi, count]() mutable {
+      const Runner runs[2] = {run0, run1};
+      RunRange(*w, runs, lo, hi);
       count.CountDown();
     });
   }
@@ -251,6 +285,7 @@ XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
                            .RemainingRets()
                            .Attr<int64_t>("kind")
                            .Attr<ffi::Span<const int64_t>>("sets")
-                           .Attr<ffi::Span<const int64_t>>("rows"));
+                           .Attr<ffi::Span<const int64_t>>("rows")
+                           .Attr<ffi::Span<const int64_t>>("parts"));
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) { return kOptimFused(call_frame); }

@@ -101,6 +101,16 @@ def _kind(rule: Any) -> int | None:
     return {Lion: _LION, Momentum: _MOMENTUM, Descent: _DESCENT}.get(t)
 
 
+def wide_rules(rules: tuple) -> frozenset:
+    """The rules (indices into `rules`) that the kernel can run, when it runs in this process (enabled, loaded,
+    CPU only): `setup` and `adjust` stack their large parameters too (`optim._stack.make_stacks`)."""
+    from ._state import unwrap
+
+    if not (ENABLED and AVAILABLE) or not only_cpu():
+        return frozenset()
+    return frozenset(r for r, rule in enumerate(rules) if _kind(_parts(unwrap(rule))[1]) is not None)
+
+
 def _single_device(place: Any) -> bool:
     return place is None or len(getattr(place, "device_set", ())) == 1
 
@@ -140,17 +150,20 @@ def _sharded(a: Any) -> bool:
     return s is not None and not s.mesh.empty
 
 
-def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple):
+def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool = True):
     """One step of `rule` with the kernel (see `usable`). Per stack `i`: `stored[i]` its stored state tree,
-    `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and summed
-    gradients (one array per member). Returns `(new stored trees, new parameters per stack, new pack rows
-    [(group, leaf, rows of the pack, values)])`, as `update`'s XLA path does."""
+    `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and
+    gradients (per member a tuple of 1 or 2 arrays that the kernel sums: a tied parameter's gradient parts).
+    `in_place`: alias the new state and parameters to the old (updated in place when the caller donates them;
+    else XLA copies them first), or write them beside the old (for a call that keeps its inputs). Returns
+    `(new stored trees, new parameters per stack, new pack rows [(group, leaf, rows of the pack, values)])`, as
+    `update`'s XLA path does."""
     clip, rule = _parts(rule)
     kind = _kind(rule)
     scale = jnp.ones((), jnp.float32)
     if clip is not None:     # ClipGlobalNorm's factor, as its `apply_tree` computes it, over all these members
-        g0 = gs[0][0]
-        norm = joint_norm([g for member in gs for g in member])
+        g0 = gs[0][0][0]
+        norm = joint_norm([sum(g[1:], g[0]) for member in gs for g in member])
         scale = clip_factor(as_compute(clip.max_norm, g0), norm.astype(real_dtype(g0))).astype(jnp.float32)
     flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in stored]
     wides = [[a for a in leaves if not is_packed(a)] for leaves, _ in flat]
@@ -173,7 +186,7 @@ def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, p
             pack_rows += writes
             state_in = [a for i in stacks for a in new_wides[i]]
             outs = _call(kind, scalars, state_in, [xs[i][m] for i, m, _ in call], [gs[i][m] for i, m, _ in call],
-                         [stacks.index(i) for i, _, _ in call], [r for _, _, r in call])
+                         [stacks.index(i) for i, _, _ in call], [r for _, _, r in call], in_place)
             ns = len(wides[stacks[0]])
             for s, i in enumerate(stacks):
                 new_wides[i] = list(outs[s * ns:(s + 1) * ns])
@@ -223,10 +236,13 @@ def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: 
     return jnp.broadcast_to(row, (k, 8)), []
 
 
-def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, sets: list, rows: list) -> list:
-    """The kernel on one call's operands: returns the new state stacks, then the new parameters."""
+def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, sets: list, rows: list,
+          in_place: bool) -> list:
+    """The kernel on one call's operands (`gs`: per member a tuple of 1 or 2 gradient arrays): returns the new
+    state stacks, then the new parameters."""
     outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state + xs]
-    alias = {1 + j: j for j in range(len(state) + len(xs))}      # operand 0 is `scalars`
+    alias = {1 + j: j for j in range(len(state) + len(xs))} if in_place else {}   # operand 0 is `scalars`
     f = jax.ffi.ffi_call(_TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
-    return f(scalars, *state, *xs, *gs, kind=np.int64(kind), sets=np.asarray(sets, np.int64),
-             rows=np.asarray(rows, np.int64))
+    return f(scalars, *state, *xs, *[g for parts in gs for g in parts], kind=np.int64(kind),
+             sets=np.asarray(sets, np.int64), rows=np.asarray(rows, np.int64),
+             parts=np.asarray([len(p) for p in gs], np.int64))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._fused import wide_rules
 from ._hyper import canonical_numbers
 from ._stack import init_stack, placement
 from ._step import is_rule
@@ -170,7 +171,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     params = tuple(Param(c, members, tuple(leaves[c].shape), canonical_dtype(leaves[c].dtype), rule_of[c],
                          transforms.get(c, ()), placement(leaves[c]), shardings.get(c))
                    for c, members in groups.items())
-    layout = Layout(treedef, params, (False,) * len(params))
+    layout = Layout(treedef, params, (False,) * len(params), wide_rules(rules))
     if paths.computed is not None:
         layout.__dict__["paths"] = paths.computed
     rules = tuple(_canonical_hyper(r) for r in rules)

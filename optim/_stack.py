@@ -27,14 +27,18 @@ STACK_MAX_SIZE = 8192
 STACK_MAX_MEMBERS = 64
 
 
-def make_stacks(params: tuple) -> tuple[tuple[int, ...], ...]:
+def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Partition parameter indices into stacks: same rule, shape, dtype, placement and requested state sharding
-    (`setup(..., state_sharding=fn)`); small ones together (at most `STACK_MAX_MEMBERS`), large ones alone.
-    Deterministic, in parameter order."""
+    (`setup(..., state_sharding=fn)`); small ones together (at most `STACK_MAX_MEMBERS`), large ones alone,
+    except for the rules in `wide` (indices): the rules that optim's fused CPU kernel runs (`optim._fused`),
+    which reads each member where it is, so stacking their large parameters' states costs no pass (and saves
+    the arrays in and out of each call). Deterministic, in parameter order."""
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):
-        if math.prod(p.shape) > STACK_MAX_SIZE:
+        if math.prod(p.shape) > STACK_MAX_SIZE and not (
+                p.rule in wide and p.place is None and p.state_place is None
+                and p.dtype in (np.dtype(np.float32), jnp.dtype(jnp.bfloat16))):
             out.append([u])
             continue
         key = (p.rule, p.shape, p.dtype, p.place, p.state_place)

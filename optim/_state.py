@@ -73,6 +73,9 @@ class Layout:
     treedef: Any
     params: tuple[Param, ...]
     frozen: tuple[bool, ...]
+    # Rules (indices) whose large parameters are stacked too (`optim._stack.make_stacks`): those that optim's
+    # fused CPU kernel runs, decided by `setup` and `adjust` (`optim._fused.wide_rules`).
+    wide: frozenset = frozenset()
 
     def __post_init__(self):
         param_of = [-1] * self.treedef.num_leaves
@@ -81,7 +84,7 @@ class Layout:
                 param_of[i] = u
         object.__setattr__(self, "param_of", tuple(param_of))
         # The stacks: tuples of parameter indices whose states are stored stacked, in this order.
-        object.__setattr__(self, "stacks", make_stacks(self.params))
+        object.__setattr__(self, "stacks", make_stacks(self.params, self.wide))
         # Hashing 10000 Params costs ~10 ms; equal layouts already agree on everything below, and `__eq__`
         # compares the params themselves.
         object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.stacks)))
@@ -394,7 +397,7 @@ def with_frozen(state: State, params: list[int], value: bool) -> State:
     for u in params:
         frozen[u] = value
     lay = state.layout
-    return state.replace(layout=Layout(lay.treedef, lay.params, tuple(frozen)))
+    return state.replace(layout=Layout(lay.treedef, lay.params, tuple(frozen), lay.wide))
 
 
 # 4096 (rule structure, shape, dtype): a large model has hundreds of distinct parameter kinds.

@@ -87,7 +87,8 @@ def subtree(state: State, path: str) -> State:
         params.append(dataclasses.replace(p, canonical=members[0], members=members, transforms=transforms))
         leaves.append(state.param_state(u))
         frozen.append(lay.frozen[u])
-    return State.of_params(Layout(sub_treedef, tuple(params), tuple(frozen)), state.rules, leaves, state.step)
+    return State.of_params(Layout(sub_treedef, tuple(params), tuple(frozen), lay.wide), state.rules, leaves,
+                           state.step)
 
 
 def graft(state: State, path: str, sub: State) -> State:

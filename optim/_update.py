@@ -112,9 +112,13 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
     k = 1 if donate else 0
     run = prog.jitted[k] or _jitted(prog, k)
+    # The fused kernel (optim._fused) updates in place where the buffers are donated: eagerly with donate=True,
+    # and inside a caller's jit (a train step usually donates; one that does not costs XLA a copy). An eager call
+    # that keeps its inputs has the kernel write beside them instead.
+    in_place = bool(donate) or isinstance(state.step, jax.core.Tracer)
     try:
         new_stacks, new_packs, new_params, step, summed, norms = run(
-            (bool(return_grads), bool(return_stats)), state.rules, _take(state.stored, prog.step_stacks),
+            (bool(return_grads), bool(return_stats), in_place), state.rules, _take(state.stored, prog.step_stacks),
             state.packs, _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
@@ -352,6 +356,15 @@ def _sums(prog: Program, xs: tuple, grads: tuple) -> list[tuple]:
     return out
 
 
+def _parts(prog: Program, a: int, x: Any, grads: tuple, summed: tuple) -> tuple:
+    """Graded parameter `a`'s gradient (first tree) as the kernel reads it: its positions' gradients, cast as in
+    `_sums`, when there are at most two and none is tied through a function; else the sum."""
+    slots = prog.grad_slots[0][a]
+    if len(slots) > 2 or any(f is not None for _, f in slots):
+        return (summed[0],)
+    return tuple(_prep_grad(grads[0][k], x, prog.grad_paths[0][k], None) for k, _ in slots)
+
+
 def _same_dtypes(new: Any, old: Any) -> Any:
     """Keep each state leaf's dtype (a rule computing in float32 must not turn a bfloat16 state into float32,
     which would also retrace every step)."""
@@ -361,7 +374,7 @@ def _same_dtypes(new: Any, old: Any) -> Any:
                         new, old)
 
 
-def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, packs: tuple, params: tuple,
+def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple, params: tuple,
           checks: tuple, grads: tuple, step: Any):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
@@ -381,21 +394,23 @@ def _core(prog: Program, wants: tuple[bool, bool], rules: tuple, stacks: tuple, 
         by_rule.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
     new_stacks: list = [None] * len(prog.step_stacks)
     new_params: list = [None] * len(prog.stepping)
-    want_grads, want_stats = wants
+    want_grads, want_stats, in_place = wants
     squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
     pack_rows: list = []      # new rows of the packs (see optim._pack), from the stacks that step
     for r, js in by_rule.items():
         stk = [stacks[j] for j in js]
         xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
         gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
+        # The kernel sums a tied parameter's gradient parts itself (XLA drops the sum when nothing else reads it).
+        parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
         sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
         firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
         if fused.usable(rules[r], firsts, stk, sizes, len(grads)):
             # On CPU, one pass per parameter in optim's kernel (optim._fused); where the process has another
             # backend too, a program lowered for it keeps XLA's path.
-            cpu, xla, hypers = _fused_branches(prog, rules[r], js)
-            out = cpu(hypers, stk, packs, xs, gs) if fused.only_cpu() else jax.lax.platform_dependent(
-                hypers, stk, packs, xs, gs, cpu=cpu, default=xla)
+            cpu, xla, hypers = _fused_branches(prog, rules[r], js, in_place)
+            out = cpu(hypers, stk, packs, xs, gs, parts) if fused.only_cpu() else jax.lax.platform_dependent(
+                hypers, stk, packs, xs, gs, parts, cpu=cpu, default=xla)
         else:
             out = _rule_step(prog, rules[r], js, stk, packs, xs, gs)
         for j, st, new in zip(js, *out[:2]):
@@ -457,25 +472,26 @@ def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, x
     return new_stacks, new_params, assemble(packs, written)
 
 
-def _fused_branches(prog: Program, rule: Any, js: list):
+def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
     """`_rule_step` with optim's fused CPU kernel (optim._fused; only where `fused.usable`), and XLA's path, as
-    functions of `(the rule's hyperparameters, stacks, packs, parameters, gradients)`, and the hyperparameters.
+    functions of `(the rule's hyperparameters, stacks, packs, parameters, summed gradients, gradient parts)` (the
+    kernel reads the parts, XLA's path the sums), and the hyperparameters.
     The kernel has no derivative: differentiated (a meta-gradient through `update`), the kernel's function is
     XLA's path, by a custom JVP (hence the hyperparameters as arguments: they may be what is differentiated).
     The functions reach the Program through a weak reference: the traced program keeps them, and the Program
     keeps the traced program (see `_jitted`)."""
     ref, (hypers, treedef) = weakref.ref(prog), jax.tree_util.tree_flatten(rule)
 
-    def xla(hypers, stacks, packs, xs, gs):
+    def xla(hypers, stacks, packs, xs, gs, parts):
         return _rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs, gs)
 
     @jax.custom_jvp
-    def cpu(hypers, stacks, packs, xs, gs):
+    def cpu(hypers, stacks, packs, xs, gs, parts):
         prog = ref()
         lay = prog.layout
         new_stacks, new_params, written = fused.step(
             treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
-            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, [tuple(d[0] for d in g) for g in gs], packs)
+            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place)
         return new_stacks, new_params, assemble(packs, written)
 
     cpu.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
@@ -557,7 +573,7 @@ def _jitted(prog: Program, k: int) -> Any:
     return f
 
 
-def _core_of(ref: weakref.ref, wants: tuple[bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+def _core_of(ref: weakref.ref, wants: tuple[bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
              params: tuple, checks: tuple, grads: tuple, step: Any):
     return _core(ref(), wants, rules, stacks, packs, params, checks, grads, step)
 
