@@ -34,7 +34,7 @@ namespace {
 
 enum Kind : int64_t { kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5 };
 
-int StateCount(int64_t kind) {
+constexpr int StateCount(int64_t kind) {
   switch (kind) {
     case kAdam: case kAdamWCoupled: case kAdamWDecoupled: return 2;
     case kLion: case kMomentum: return 1;
@@ -75,76 +75,116 @@ struct Work {
   std::vector<const void*> g, g2;    // per member: the gradient (g2: its second part, or null)
 };
 
-// Elements [lo, hi) of member r.
+struct Scalars8 { float lr, b1, b2, eps, c1, c2, wd, gs; };
+
+// One element: the new parameter, and the new state values `m` and `v` (those the rule has), from the parameter
+// `x`, the (scaled) gradient `g` and the old state values. In the order of optim/_rules.py's rules.
+template <int64_t K>
+inline float Elem(const Scalars8& s, float x, float g, float& m, float& v) {
+  float step;
+  if constexpr (K == kAdam || K == kAdamWCoupled || K == kAdamWDecoupled) {
+    m = s.b1 * m + (1 - s.b1) * g;
+    v = s.b2 * v + (1 - s.b2) * (g * g);
+    const float a = m * s.c1 / (std::sqrt(v * s.c2) + s.eps);
+    if constexpr (K == kAdam) step = a * s.lr;
+    else if constexpr (K == kAdamWCoupled) step = s.lr * (a + s.wd * x);
+    else step = s.lr * a + s.wd * x;
+  } else if constexpr (K == kLion) {
+    const float u = s.b1 * m + (1 - s.b1) * g;
+    step = u != u ? u : s.lr * float((u > 0) - (u < 0));   // sign, NaN kept (as jnp.sign)
+    m = s.b2 * m + (1 - s.b2) * g;
+  } else if constexpr (K == kMomentum) {
+    m = s.b1 * m + s.lr * g;     // b1 is rho
+    step = m;
+  } else {
+    step = s.lr * g;
+  }
+  return x - step;
+}
+
+// The gradient of element i: its parts summed in the parameter's dtype, as XLA sums tied gradients (a bfloat16
+// sum is rounded), then scaled.
+template <typename P, bool Two>
+inline float Grad(const P* g, const P* g2, int64_t i, float gs) {
+  return (Two ? Load(Store<P>(Load(g[i]) + Load(g2[i]))) : Load(g[i])) * gs;
+}
+
+// In place: each array is read and written through one pointer (the loop the compiler vectorises).
 template <int64_t K, typename P, typename M1, typename M2, bool Two>
+void LoopSame(const Scalars8& s, P* x, const P* g, const P* g2, M1* m, M2* v, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    float mi = StateCount(K) > 0 ? Load(m[i]) : 0.f, vi = StateCount(K) > 1 ? Load(v[i]) : 0.f;
+    x[i] = Store<P>(Elem<K>(s, Load(x[i]), Grad<P, Two>(g, g2, i, s.gs), mi, vi));
+    if constexpr (StateCount(K) > 0) m[i] = Store<M1>(mi);
+    if constexpr (StateCount(K) > 1) v[i] = Store<M2>(vi);
+  }
+}
+
+// Beside: new arrays that do not overlap the old (restrict: else the compiler would check at run time for
+// overlaps between seven pointers, beyond its limit, and not vectorise).
+template <int64_t K, typename P, typename M1, typename M2, bool Two>
+void LoopApart(const Scalars8& s, const P* __restrict__ x, P* __restrict__ xo, const P* __restrict__ g,
+               const P* __restrict__ g2, const M1* __restrict__ m, M1* __restrict__ mo, const M2* __restrict__ v,
+               M2* __restrict__ vo, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    float mi = StateCount(K) > 0 ? Load(m[i]) : 0.f, vi = StateCount(K) > 1 ? Load(v[i]) : 0.f;
+    xo[i] = Store<P>(Elem<K>(s, Load(x[i]), Grad<P, Two>(g, g2, i, s.gs), mi, vi));
+    if constexpr (StateCount(K) > 0) mo[i] = Store<M1>(mi);
+    if constexpr (StateCount(K) > 1) vo[i] = Store<M2>(vi);
+  }
+}
+
+// Elements [lo, hi) of member r.
+template <int64_t K, typename P, typename M1, typename M2, bool Two, bool InPlace>
 void Run(const Work& w, int64_t r, int64_t lo, int64_t hi) {
-  const float* s = w.scalars + 8 * r;
-  const float lr = s[0], b1 = s[1], b2 = s[2], eps = s[3], c1 = s[4], c2 = s[5], wd = s[6], gs = s[7];
-  const float nb1 = 1 - b1, nb2 = 1 - b2;
-  const P* x = static_cast<const P*>(w.x_in[r]);
-  P* xo = static_cast<P*>(w.x_out[r]);
+  Scalars8 s;
+  std::memcpy(&s, w.scalars + 8 * r, sizeof s);
   const P* g = static_cast<const P*>(w.g[r]);
   const P* g2 = static_cast<const P*>(w.g2[r]);
   const int64_t at = w.rows[r] * w.n, set = w.sets[r] * w.ns;
-  const M1* m = StateCount(K) > 0 ? static_cast<const M1*>(w.state_in[set]) + at : nullptr;
   M1* mo = StateCount(K) > 0 ? static_cast<M1*>(w.state_out[set]) + at : nullptr;
-  const M2* v = StateCount(K) > 1 ? static_cast<const M2*>(w.state_in[set + 1]) + at : nullptr;
   M2* vo = StateCount(K) > 1 ? static_cast<M2*>(w.state_out[set + 1]) + at : nullptr;
-  for (int64_t i = lo; i < hi; ++i) {
-    // The parts are summed in the parameter's dtype, as XLA sums tied gradients (a bfloat16 sum is rounded).
-    const float gi = (Two ? Load(Store<P>(Load(g[i]) + Load(g2[i]))) : Load(g[i])) * gs, xi = Load(x[i]);
-    float step;
-    if constexpr (K == kAdam || K == kAdamWCoupled || K == kAdamWDecoupled) {
-      const float mi = b1 * Load(m[i]) + nb1 * gi;
-      const float vi = b2 * Load(v[i]) + nb2 * (gi * gi);
-      mo[i] = Store<M1>(mi);
-      vo[i] = Store<M2>(vi);
-      const float a = mi * c1 / (std::sqrt(vi * c2) + eps);
-      if constexpr (K == kAdam) step = a * lr;
-      else if constexpr (K == kAdamWCoupled) step = lr * (a + wd * xi);
-      else step = lr * a + wd * xi;
-    } else if constexpr (K == kLion) {
-      const float mi = Load(m[i]);
-      const float u = b1 * mi + nb1 * gi;
-      step = u != u ? u : lr * float((u > 0) - (u < 0));   // sign, NaN kept (as jnp.sign)
-      mo[i] = Store<M1>(b2 * mi + nb2 * gi);
-    } else if constexpr (K == kMomentum) {
-      const float vi = b1 * Load(m[i]) + lr * gi;     // b1 is rho
-      mo[i] = Store<M1>(vi);
-      step = vi;
-    } else {
-      step = lr * gi;
-    }
-    xo[i] = Store<P>(xi - step);
+  if constexpr (InPlace) {
+    LoopSame<K, P, M1, M2, Two>(s, static_cast<P*>(w.x_out[r]), g, g2, mo, vo, lo, hi);
+  } else {
+    const M1* m = StateCount(K) > 0 ? static_cast<const M1*>(w.state_in[set]) + at : nullptr;
+    const M2* v = StateCount(K) > 1 ? static_cast<const M2*>(w.state_in[set + 1]) + at : nullptr;
+    LoopApart<K, P, M1, M2, Two>(s, static_cast<const P*>(w.x_in[r]), static_cast<P*>(w.x_out[r]), g, g2, m, mo,
+                                 v, vo, lo, hi);
   }
 }
 
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
+// The loop for one call: kind, dtypes (parameter, m, v), whether a member has two gradient parts, in place.
+// Rules without a second (first) state array ignore its dtype: fewer instantiations.
 template <int64_t K, typename P, typename M1, typename M2>
-Runner Pick3(bool two) {
-  return two ? &Run<K, P, M1, M2, true> : &Run<K, P, M1, M2, false>;
+Runner Pick3(bool two, bool in_place) {
+  if (two) return in_place ? &Run<K, P, M1, M2, true, true> : &Run<K, P, M1, M2, true, false>;
+  return in_place ? &Run<K, P, M1, M2, false, true> : &Run<K, P, M1, M2, false, false>;
 }
 template <int64_t K, typename P, typename M1>
-Runner Pick2(bool m2_bf16, bool two) {
-  return m2_bf16 ? Pick3<K, P, M1, BF16>(two) : Pick3<K, P, M1, float>(two);
+Runner Pick2(bool m2_bf16, bool two, bool in_place) {
+  if (StateCount(K) < 2 || !m2_bf16) return Pick3<K, P, M1, float>(two, in_place);
+  return Pick3<K, P, M1, BF16>(two, in_place);
 }
 template <int64_t K, typename P>
-Runner Pick1(bool m1_bf16, bool m2_bf16, bool two) {
-  return m1_bf16 ? Pick2<K, P, BF16>(m2_bf16, two) : Pick2<K, P, float>(m2_bf16, two);
+Runner Pick1(bool m1_bf16, bool m2_bf16, bool two, bool in_place) {
+  if (StateCount(K) < 1 || !m1_bf16) return Pick2<K, P, float>(m2_bf16, two, in_place);
+  return Pick2<K, P, BF16>(m2_bf16, two, in_place);
 }
 template <int64_t K>
-Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16, bool two) {
-  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16, two) : Pick1<K, float>(m1_bf16, m2_bf16, two);
+Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16, bool two, bool in_place) {
+  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16, two, in_place) : Pick1<K, float>(m1_bf16, m2_bf16, two, in_place);
 }
-Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two) {
+Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place) {
   switch (kind) {
-    case kAdam: return Pick0<kAdam>(p, m1, m2, two);
-    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2, two);
-    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2, two);
-    case kLion: return Pick0<kLion>(p, m1, m2, two);
-    case kMomentum: return Pick0<kMomentum>(p, m1, m2, two);
-    case kDescent: return Pick0<kDescent>(p, m1, m2, two);
+    case kAdam: return Pick0<kAdam>(p, m1, m2, two, in_place);
+    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2, two, in_place);
+    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2, two, in_place);
+    case kLion: return Pick0<kLion>(p, m1, m2, two, in_place);
+    case kMomentum: return Pick0<kMomentum>(p, m1, m2, two, in_place);
+    case kDescent: return Pick0<kDescent>(p, m1, m2, two, in_place);
   }
   return nullptr;
 }
@@ -249,7 +289,26 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
         std::memcpy(static_cast<char*>(w->state_out[j]) + row * row_bytes,
                     static_cast<const char*>(w->state_in[j]) + row * row_bytes, row_bytes);
   }
-  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false), Pick(kind, bf16[0], bf16[1], bf16[2], true)};
+  // In place when every output is its operand (XLA aliased them), beside when none is; a mix (which `update`
+  // never asks for) is made in place by copying the operands over first.
+  bool same = true, apart = true;
+  for (int64_t j = 0; j < nstate; ++j) (w->state_out[j] == w->state_in[j] ? apart : same) = false;
+  for (int64_t r = 0; r < k; ++r) (w->x_out[r] == w->x_in[r] ? apart : same) = false;
+  if (!same && !apart) {
+    for (int64_t j = 0; j < nstate; ++j)
+      if (w->state_out[j] != w->state_in[j]) {
+        std::memcpy(w->state_out[j], w->state_in[j], args.get<ffi::AnyBuffer>(j)->size_bytes());
+        w->state_in[j] = w->state_out[j];
+      }
+    for (int64_t r = 0; r < k; ++r)
+      if (w->x_out[r] != w->x_in[r]) {
+        std::memcpy(w->x_out[r], w->x_in[r], args.get<ffi::AnyBuffer>(nstate + r)->size_bytes());
+        w->x_in[r] = w->x_out[r];
+      }
+    same = true;
+  }
+  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false, same),
+                         Pick(kind, bf16[0], bf16[1], bf16[2], true, same)};
   const int64_t total = k * w->n;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tasks = std::min<int64_t>(threads, (total + kChunk - 1) / kChunk);
