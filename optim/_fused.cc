@@ -2,9 +2,9 @@
 //
 // XLA:CPU runs Adam's update as three loops over the parameter (the two moments, then the step), each reading
 // and writing whole arrays; this kernel does the one pass the arithmetic needs: per element it reads x, g and
-// the state and writes them back, in place (the Python side aliases every state and parameter input to its
-// output). Large calls are split into chunks run on XLA's intra-op thread pool; the call returns a future that
-// the last chunk completes, so no thread waits for another.
+// the state and writes the new x and state, in place when the Python side aliases the operands to the results.
+// Large calls are split into chunks run on XLA's intra-op thread pool; the call returns a future that the last
+// chunk completes, so no thread waits for another.
 //
 // Operands: `scalars` (members, 8) float32, one row per member:
 //   [lr, b1, b2, eps, c1, c2, wd, gs] (Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t)),
@@ -16,9 +16,9 @@
 // writing the sum and reading it back). Attributes: `sets`, `rows` and `parts`: per member its set of state
 // stacks, its row in them (rows that no member names keep their values) and its number of gradient arrays.
 // Results: the state stacks, then x_1..x_k: aliased to their operands (updated in place, when the caller
-// donates), or new buffers (the operands are then only read). Dtypes: parameters (and their gradients) float32 or bfloat16, each
-// state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order of the rules in
-// optim/_rules.py.
+// donates), or new buffers (the operands are then only read). Dtypes: parameters (and their gradients) float32
+// or bfloat16, each state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order
+// of the rules in optim/_rules.py.
 
 #include <algorithm>
 #include <cmath>
@@ -65,8 +65,7 @@ template <> inline BF16 Store<BF16>(float f) {
 struct Work {
   int64_t kind, n;
   const float* scalars;
-  const int64_t* rows;
-  const int64_t* sets;
+  std::vector<int64_t> rows, sets;   // copies: the chunks may run after the handler has returned
   int64_t ns;                        // state stacks per set
   std::vector<const void*> state_in;   // the sets' state stacks, set by set
   std::vector<void*> state_out;        // ... where their new values go (the same buffers when aliased)
@@ -230,8 +229,8 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   w->kind = kind;
   w->ns = ns;
   w->scalars = scalars.typed_data();
-  w->rows = rows.begin();
-  w->sets = sets.begin();
+  w->rows.assign(rows.begin(), rows.end());
+  w->sets.assign(sets.begin(), sets.end());
   bool bf16[3] = {false, false, false};
   std::vector<int64_t> set_rows;
   for (int64_t j = 0; j < nstate; ++j) {
@@ -347,4 +346,6 @@ XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
                            .Attr<ffi::Span<const int64_t>>("rows")
                            .Attr<ffi::Span<const int64_t>>("parts"));
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) { return kOptimFused(call_frame); }
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) {
+  return kOptimFused(call_frame);
+}

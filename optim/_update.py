@@ -401,13 +401,13 @@ def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: t
         stk = [stacks[j] for j in js]
         xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
         gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
-        # The kernel sums a tied parameter's gradient parts itself (XLA drops the sum when nothing else reads it).
-        parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
         sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
         firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
         if fused.usable(rules[r], firsts, stk, sizes, len(grads)):
             # On CPU, one pass per parameter in optim's kernel (optim._fused); where the process has another
-            # backend too, a program lowered for it keeps XLA's path.
+            # backend too, a program lowered for it keeps XLA's path. The kernel sums a tied parameter's gradient
+            # parts itself (XLA drops the sum when nothing else reads it).
+            parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
             cpu, xla, hypers = _fused_branches(prog, rules[r], js, in_place)
             out = cpu(hypers, stk, packs, xs, gs, parts) if fused.only_cpu() else jax.lax.platform_dependent(
                 hypers, stk, packs, xs, gs, parts, cpu=cpu, default=xla)
@@ -440,7 +440,8 @@ def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, x
     """XLA's path for the stepping stacks `js` of one rule: per stack `j` (its stored state `stacks`, its
     stepping members' parameters `xs` and summed gradients per tree `gs`), the rule runs once on its stepping
     rows. Returns `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups
-    whole, so that this and `_fused_step` return the same structure (`lax.platform_dependent` needs it)."""
+    whole, so that this and the kernel's path (`_fused_branches`) return the same structure
+    (`lax.platform_dependent` needs it)."""
     lay = prog.layout
     sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
     rows = [prog.stack_plan[j][0] for j in js]
