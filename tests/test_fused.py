@@ -20,34 +20,14 @@ import pytest
 import optim
 from bench.program import entry_counts
 from optim import _fused
-from tests.test_pack import assert_ulp
-
-BIG = 8200          # above optim._stack.STACK_MAX_SIZE: alone in its stack
+# The model (ties, single and multi-member stacks, a scalar) and gradients (None at a single stack, a row, half a
+# tie) of tests/test_pack.py, and its comparison to a few ulp of each array's scale.
+from tests.test_pack import BIG, assert_ulp, grads_at, model
 
 
 def test_kernel_is_built_and_loaded():
     assert _fused.AVAILABLE, _fused.WHY
     assert _fused.ENABLED
-
-
-def model(dtype=jnp.float32):
-    k = iter(jax.random.split(jax.random.PRNGKey(1), 12))
-    emb = jax.random.normal(next(k), (BIG,), dtype)
-    return {"emb": emb, "head": emb,                                              # tied
-            "big": [jax.random.normal(next(k), (BIG,), dtype) for _ in range(3)],  # alone in their stacks
-            "mat": jax.random.normal(next(k), (90, 100), dtype),                   # another shape
-            "small": [jax.random.normal(next(k), (5,), dtype) for _ in range(4)],   # one stack of 4
-            "s": jnp.asarray(0.5, dtype)}                                          # a scalar
-
-
-def grads_at(t, m):
-    g = jax.tree.map(lambda a: (jnp.cos(a * (t + 1)) * 0.3 + 0.01 * t).astype(a.dtype), m)
-    if t % 3 == 1:
-        g["big"][1] = None                   # a single-member stack does not step
-        g["small"][2] = None                 # one row of a stack does not step
-    if t % 3 == 2:
-        g["emb"] = None                      # half a tie still steps (the head's gradient)
-    return g
 
 
 def train(rule, dtype=jnp.float32, steps=3, fused=True, jit=False, monkeypatch=None):

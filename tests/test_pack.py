@@ -25,18 +25,19 @@ def xla_path(monkeypatch):
     monkeypatch.setattr(_fused, "ENABLED", False)
 
 
-def model():
+def model(dtype=jnp.float32):
+    """The test model (also tests/test_fused.py's), in `dtype`."""
     k = iter(jax.random.split(jax.random.PRNGKey(0), 12))
-    emb = jax.random.normal(next(k), (BIG,))
-    return {"emb": emb, "head": emb,                                       # tied
-            "big": [jax.random.normal(next(k), (BIG,)) for _ in range(3)],  # alone in their stacks
-            "mat": jax.random.normal(next(k), (90, 100)),                  # alone, another shape
-            "small": [jax.random.normal(next(k), (5,)) for _ in range(4)],   # one stack of 4
-            "s": jnp.float32(0.5)}                                         # a scalar
+    emb = jax.random.normal(next(k), (BIG,), dtype)
+    return {"emb": emb, "head": emb,                                              # tied
+            "big": [jax.random.normal(next(k), (BIG,), dtype) for _ in range(3)],  # alone in their stacks
+            "mat": jax.random.normal(next(k), (90, 100), dtype),                   # alone, another shape
+            "small": [jax.random.normal(next(k), (5,), dtype) for _ in range(4)],   # one stack of 4
+            "s": jnp.asarray(0.5, dtype)}                                          # a scalar
 
 
 def grads_at(t, m):
-    g = jax.tree.map(lambda a: jnp.cos(a * (t + 1)) * 0.3 + 0.01 * t, m)
+    g = jax.tree.map(lambda a: (jnp.cos(a * (t + 1)) * 0.3 + 0.01 * t).astype(a.dtype), m)
     if t % 3 == 1:
         g["big"][1] = None                   # one single-member stack does not step
         g["small"][2] = None                 # one row of a stack does not step
