@@ -36,7 +36,7 @@ import numpy as np
 
 from ._pack import is_packed
 from ._rules import Adam, AdamW, Descent, Lion, Momentum
-from ._stack import row_index
+from ._stack import row_index, traced_sharded
 from ._step import as_compute, clip_factor, eps_of, real_dtype
 from ._wrappers import ClipGlobalNorm, OptimiserChain, joint_norm
 
@@ -125,7 +125,7 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
     if kind is None:
         return False
     try:
-        if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and _sharded(h) for h in jax.tree.leaves(rule)):
+        if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and traced_sharded(h) for h in jax.tree.leaves(rule)):
             return False
     except TypeError:
         return False
@@ -140,14 +140,9 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
         elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
             return False
         for a in wide:
-            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in _FLOATS or _sharded(a):
+            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in _FLOATS or traced_sharded(a):
                 return False
     return True
-
-
-def _sharded(a: Any) -> bool:
-    s = getattr(jax.typeof(a), "sharding", None)
-    return s is not None and not s.mesh.empty
 
 
 def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool = True):

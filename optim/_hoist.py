@@ -32,7 +32,7 @@ import numpy as np
 from ._adjust import looks_across
 from ._cache import LRU
 from ._pack import SMALL, fill, is_packed, split_rows
-from ._stack import row_index, take_rows
+from ._stack import row_index, take_rows, traced_sharded
 from ._step import apply_all
 from ._wrappers import OptimiserChain
 
@@ -132,11 +132,6 @@ def _stored_form(stored: Any, wides: list) -> Any:
     return treedef.unflatten([a if is_packed(a) else next(it) for a in leaves])
 
 
-def _sharded(a: Any) -> bool:
-    s = getattr(jax.typeof(a), "sharding", None)
-    return s is not None and not s.mesh.empty
-
-
 def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, packs: tuple):
     """Run `rule` on stacks whose small leaves are packed, hoisting the small arithmetic.
 
@@ -151,7 +146,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         rule_avals = tuple(_aval(a) for a in rule_leaves)
     except TypeError:        # a rule that is not a pytree of numbers (a user's object): run it as it is
         return results, []
-    if any(_sharded(a) for a in rule_leaves):
+    if any(traced_sharded(a) for a in rule_leaves):
         return results, []
     chunks: dict = {}        # (pack group, known part) -> [plan per stack]
     for i, tree in enumerate(stored):
@@ -162,7 +157,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         m = len(rows[i])
         take = row_index(rows[i])
         wides = [a if m == sizes[i] else a[take] for a in leaves if not is_packed(a)]
-        if any(_sharded(a) for a in wides + [xs[i], *dxs[i]]):
+        if any(traced_sharded(a) for a in wides + [xs[i], *dxs[i]]):
             continue
         holders = [leaves[k] for k in small_at]
         group = holders[0].group

@@ -277,3 +277,10 @@ def put_rows(tree: Any, rows: tuple[int, ...], new: Any, n: int) -> Any:
         return new
     ix = row_index(rows)
     return jax.tree.map(lambda a, b: jnp.asarray(a).at[ix].set(b), tree, new)
+
+
+def traced_sharded(a: Any) -> bool:
+    """Whether `a`'s abstract value carries a sharding over a mesh (explicit sharding, `shard_map`): such
+    computations keep the plain per-stack path (`optim._hoist`) and XLA's code (`optim._fused`)."""
+    s = getattr(jax.typeof(a), "sharding", None)
+    return s is not None and not s.mesh.empty
