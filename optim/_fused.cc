@@ -13,10 +13,14 @@
 // then B sets of state stacks (Adam: m, v; Lion: m; Momentum: v; Descent: none), each stack (its size, n);
 // then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
 // arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
-// writing the sum and reading it back). Attributes: `sets`, `rows` and `parts`: per member its set of state
-// stacks, its row in them (rows that no member names keep their values) and its number of gradient arrays.
-// Results: the state stacks, then x_1..x_k: aliased to their operands (updated in place, when the caller
-// donates), or new buffers (the operands are then only read). Dtypes: parameters (and their gradients) float32
+// writing the sum and reading it back), then per member `mirrors[r]` arrays of n elements (the model's other
+// positions tied to it, only written). Attributes: `sets`, `rows`, `parts` and `mirrors`: per member its set of
+// state stacks, its row in them (rows that no member names keep their values), its number of gradient arrays
+// and of mirrors. Results: the state stacks, then x_1..x_k, then the mirrors, each holding its member's new
+// value: aliased to their operands (updated in place, when the caller donates), or new buffers (the operands
+// are then only read). Inside a caller's jit a tied parameter's other positions are outputs of their own; a
+// mirror aliased to the donated buffer of such a position is written as the chunk is (from cache), where XLA
+// would otherwise copy the new value into a fresh buffer after the step. Dtypes: parameters (and their gradients) float32
 // or bfloat16, each state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order
 // of the rules in optim/_rules.py.
 
@@ -72,6 +76,8 @@ struct Work {
   std::vector<const void*> x_in;       // per member: the parameter
   std::vector<void*> x_out;            // ... and its new value (in place when aliased)
   std::vector<const void*> g, g2;    // per member: the gradient (g2: its second part, or null)
+  std::vector<std::vector<void*>> mirrors;   // per member: buffers that get a copy of its new value
+  int64_t elem_bytes;                // the parameters' element size
 };
 
 struct Scalars8 { float lr, b1, b2, eps, c1, c2, wd, gs; };
@@ -188,11 +194,24 @@ Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place) {
   return nullptr;
 }
 
+constexpr int64_t kBlock = 1 << 13;   // elements a member with mirrors steps before copying them out (<= 32 KB)
+
 // Elements [lo, hi) of the members' elements laid end to end.
 void RunRange(const Work& w, const Runner* run, int64_t lo, int64_t hi) {
   while (lo < hi) {
     const int64_t r = lo / w.n, i = lo % w.n, stop = std::min(hi - r * w.n, w.n);
-    run[w.g2[r] != nullptr](w, r, i, stop);
+    const Runner f = run[w.g2[r] != nullptr];
+    if (w.mirrors[r].empty()) {
+      f(w, r, i, stop);
+    } else {   // block by block, each copied to the mirrors while it is still in cache
+      const char* x = static_cast<const char*>(w.x_out[r]);
+      for (int64_t b = i; b < stop; b += kBlock) {
+        const int64_t e = std::min(stop, b + kBlock);
+        f(w, r, b, e);
+        for (void* y : w.mirrors[r])
+          std::memcpy(static_cast<char*>(y) + b * w.elem_bytes, x + b * w.elem_bytes, (e - b) * w.elem_bytes);
+      }
+    }
     lo = r * w.n + stop;
   }
 }
@@ -205,7 +224,7 @@ using Scalars = ffi::Buffer<ffi::F32, 2>;
 
 ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
-                  ffi::Span<const int64_t> parts) {
+                  ffi::Span<const int64_t> parts, ffi::Span<const int64_t> mirrors) {
   auto fail = [](const char* what) {
     ffi::Promise p;
     ffi::Future f(p);
@@ -214,14 +233,18 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   };
   if (kind < kAdam || kind > kDescent) return fail("optim_fused: unknown kind");
   const int64_t ns = StateCount(kind), k = int64_t(rows.size());
-  int64_t ngrads = 0;
+  int64_t ngrads = 0, nmirrors = 0;
   for (int64_t r = 0; r < int64_t(parts.size()); ++r) {
     if (parts[r] < 1 || parts[r] > 2) return fail("optim_fused: a member has 1 or 2 gradient arrays");
     ngrads += parts[r];
   }
-  const int64_t nstate = int64_t(args.size()) - k - ngrads;
-  if (k == 0 || int64_t(sets.size()) != k || int64_t(parts.size()) != k || nstate < 0 ||
-      (ns == 0 ? nstate != 0 : nstate % ns != 0) || int64_t(rets.size()) != nstate + k)
+  for (int64_t r = 0; r < int64_t(mirrors.size()); ++r) {
+    if (mirrors[r] < 0) return fail("optim_fused: a negative number of mirrors");
+    nmirrors += mirrors[r];
+  }
+  const int64_t nstate = int64_t(args.size()) - k - ngrads - nmirrors;
+  if (k == 0 || int64_t(sets.size()) != k || int64_t(parts.size()) != k || int64_t(mirrors.size()) != k ||
+      nstate < 0 || (ns == 0 ? nstate != 0 : nstate % ns != 0) || int64_t(rets.size()) != nstate + k + nmirrors)
     return fail("optim_fused: wrong number of operands");
   if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != 8)
     return fail("optim_fused: scalars must be (members, 8)");
@@ -274,6 +297,17 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
     w->x_out.push_back((*out)->untyped_data());
     w->g.push_back(g->untyped_data());
     w->g2.push_back(parts[r] == 2 ? g2->untyped_data() : nullptr);
+  }
+  w->elem_bytes = bf16[0] ? 2 : 4;
+  w->mirrors.resize(k);
+  for (int64_t r = 0, at = nstate + k; r < k; ++r) {
+    for (int64_t c = 0; c < mirrors[r]; ++c, ++at) {
+      auto y = rets.get<ffi::AnyBuffer>(at);
+      if (!y.has_value() || (*y)->element_type() != args.get<ffi::AnyBuffer>(nstate + r)->element_type() ||
+          int64_t((*y)->element_count()) != w->n)
+        return fail("optim_fused: a mirror is not like its member");
+      w->mirrors[r].push_back((*y)->untyped_data());
+    }
   }
   // Not aliased (a call that does not donate), the new state is written beside the old: the rows that do not
   // step are copied over, the others are written by the loop (one pass, not a copy and then a pass).
@@ -344,7 +378,8 @@ XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
                            .Attr<int64_t>("kind")
                            .Attr<ffi::Span<const int64_t>>("sets")
                            .Attr<ffi::Span<const int64_t>>("rows")
-                           .Attr<ffi::Span<const int64_t>>("parts"));
+                           .Attr<ffi::Span<const int64_t>>("parts")
+                           .Attr<ffi::Span<const int64_t>>("mirrors"));
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) {
   return kOptimFused(call_frame);

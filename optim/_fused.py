@@ -145,14 +145,16 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
     return True
 
 
-def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool = True):
+def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool = True,
+         mirrors: list | None = None):
     """One step of `rule` with the kernel (see `usable`). Per stack `i`: `stored[i]` its stored state tree,
     `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and
-    gradients (per member a tuple of 1 or 2 arrays that the kernel sums: a tied parameter's gradient parts).
-    `in_place`: alias the new state and parameters to the old (updated in place when the caller donates them;
-    else XLA copies them first), or write them beside the old (for a call that keeps its inputs). Returns
-    `(new stored trees, new parameters per stack, new pack rows [(group, leaf, rows of the pack, values)])`, as
-    `update`'s XLA path does."""
+    gradients (per member a tuple of 1 or 2 arrays that the kernel sums: a tied parameter's gradient parts), and
+    `mirrors[i]` per member a tuple of arrays like it (the model's other positions of a tie) that get its new
+    value. `in_place`: alias the new state, parameters and mirrors to the old (updated in place when the caller
+    donates them; else XLA copies them first), or write them beside the old (for a call that keeps its inputs).
+    Returns `(new stored trees, new parameters per stack, new pack rows [(group, leaf, rows of the pack,
+    values)], new mirrors per stack)`, as `update`'s XLA path does."""
     clip, rule = _parts(rule)
     kind = _kind(rule)
     scale = jnp.ones((), jnp.float32)
@@ -171,6 +173,8 @@ def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, p
             groups.setdefault(key, []).append((i, m, r))
     new_wides = [list(w) for w in wides]
     new_xs = [list(x) for x in xs]
+    mirrors = mirrors if mirrors is not None else [[()] * len(x) for x in xs]
+    new_mirrors = [list(m) for m in mirrors]
     pack_rows: list = []
     for members in groups.values():
         for lo in range(0, len(members), MAX_MEMBERS):
@@ -181,17 +185,21 @@ def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, p
             pack_rows += writes
             state_in = [a for i in stacks for a in new_wides[i]]
             outs = _call(kind, scalars, state_in, [xs[i][m] for i, m, _ in call], [gs[i][m] for i, m, _ in call],
-                         [stacks.index(i) for i, _, _ in call], [r for _, _, r in call], in_place)
+                         [mirrors[i][m] for i, m, _ in call], [stacks.index(i) for i, _, _ in call],
+                         [r for _, _, r in call], in_place)
             ns = len(wides[stacks[0]])
             for s, i in enumerate(stacks):
                 new_wides[i] = list(outs[s * ns:(s + 1) * ns])
-            for (i, m, _), x in zip(call, outs[len(state_in):]):
+            at = len(state_in) + len(call)
+            for (i, m, _), x in zip(call, outs[len(state_in):at]):
                 new_xs[i][m] = x
+                new_mirrors[i][m] = tuple(outs[at:at + len(mirrors[i][m])])
+                at += len(mirrors[i][m])
     new_stored = []
     for (leaves, treedef), w in zip(flat, new_wides):
         it = iter(w)
         new_stored.append(treedef.unflatten([a if is_packed(a) else next(it) for a in leaves]))
-    return new_stored, [tuple(x) for x in new_xs], pack_rows
+    return new_stored, [tuple(x) for x in new_xs], pack_rows, [tuple(m) for m in new_mirrors]
 
 
 def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array):
@@ -231,13 +239,18 @@ def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: 
     return jnp.broadcast_to(row, (k, 8)), []
 
 
-def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, sets: list, rows: list,
+def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, ms: list, sets: list, rows: list,
           in_place: bool) -> list:
-    """The kernel on one call's operands (`gs`: per member a tuple of 1 or 2 gradient arrays): returns the new
-    state stacks, then the new parameters."""
-    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state + xs]
-    alias = {1 + j: j for j in range(len(state) + len(xs))} if in_place else {}   # operand 0 is `scalars`
+    """The kernel on one call's operands (`gs`: per member a tuple of 1 or 2 gradient arrays; `ms`: per member a
+    tuple of mirrors): returns the new state stacks, then the new parameters, then the new mirrors."""
+    ys = [y for m in ms for y in m]
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state + xs + ys]
+    n_grads = sum(len(p) for p in gs)
+    # Operand 0 is `scalars`; the mirrors' operands come after the gradients.
+    alias = {1 + j: j for j in range(len(state) + len(xs))} if in_place else {}
+    alias.update({1 + len(state) + len(xs) + n_grads + c: len(state) + len(xs) + c for c in range(len(ys))}
+                 if in_place else {})
     f = jax.ffi.ffi_call(_TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
-    return f(scalars, *state, *xs, *[g for parts in gs for g in parts], kind=np.int64(kind),
+    return f(scalars, *state, *xs, *[g for parts in gs for g in parts], *ys, kind=np.int64(kind),
              sets=np.asarray(sets, np.int64), rows=np.asarray(rows, np.int64),
-             parts=np.asarray([len(p) for p in gs], np.int64))
+             parts=np.asarray([len(p) for p in gs], np.int64), mirrors=np.asarray([len(m) for m in ms], np.int64))

@@ -53,6 +53,11 @@ class Program:
     # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
     grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
     out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
+    # Traced (inside a caller's jit): per stepping parameter, its other plain tied positions (indices into
+    # `check_pos`), which `_core` then returns as outputs of their own (see `_mirrors`); and `out_src` for that
+    # case, indexing new_params + new_copies + those outputs + old leaves.
+    mirror_pos: tuple[tuple[int, ...], ...]
+    out_src_traced: tuple[int, ...]
     step_stacks: tuple[int, ...]          # stacks with at least one stepping parameter
     # per such stack: (its rows that step, their indices into `graded`, into `stepping`)
     stack_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
@@ -115,15 +120,16 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     # The fused kernel (optim._fused) updates in place where the buffers are donated: eagerly with donate=True,
     # and inside a caller's jit (a train step usually donates; one that does not costs XLA a copy). An eager call
     # that keeps its inputs has the kernel write beside them instead.
-    in_place = bool(donate) or isinstance(state.step, jax.core.Tracer)
+    traced = isinstance(state.step, jax.core.Tracer)
     try:
         new_stacks, new_packs, new_params, step, summed, norms = run(
-            (bool(return_grads), bool(return_stats), in_place), state.rules, _take(state.stored, prog.step_stacks),
-            state.packs, _take(leaves, prog.param_pos), _take(leaves, prog.check_pos), gs, state.step)
+            (bool(return_grads), bool(return_stats), bool(donate) or traced, traced), state.rules,
+            _take(state.stored, prog.step_stacks), state.packs, _take(leaves, prog.param_pos),
+            _take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
         raise
-    new_leaves = _take(new_params + tuple(leaves), prog.out_src)
+    new_leaves = _take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
     out = (State(state.layout, state.rules, _take(new_stacks + state.stored, prog.stack_src), step,
                  replace_groups(state.packs, new_packs)),
            treedef.unflatten(new_leaves))
@@ -306,9 +312,18 @@ def _program(lay: Layout, trees: tuple, who: str) -> Program:
             extra += 1
     canon = {lay.params[u].canonical for u in graded}
     check = tuple(i for p in lay.params for i in p.members + tuple(t.position for t in p.transforms) if i not in canon)
+    check_at = {i: k for k, i in enumerate(check)}
+    mirror_pos = tuple(tuple(check_at[i] for i in lay.params[u].members if i != lay.params[u].canonical)
+                       for u in stepping)
+    n_mirrors = sum(map(len, mirror_pos))
+    out_traced = [k + n_mirrors if k >= n_new else k for k in out_src]
+    for a, u in enumerate(stepping):
+        for c, k in enumerate(mirror_pos[a]):
+            out_traced[check[k]] = extra + c
+        extra += len(mirror_pos[a])
     return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
-                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(step_stacks), tuple(plan),
-                   tuple(stack_src))
+                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(mirror_pos), tuple(out_traced),
+                   tuple(step_stacks), tuple(plan), tuple(stack_src))
 
 
 def _check_param(x: Any, lay: Layout, i: int) -> None:
@@ -374,8 +389,8 @@ def _same_dtypes(new: Any, old: Any) -> Any:
                         new, old)
 
 
-def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple, params: tuple,
-          checks: tuple, grads: tuple, step: Any):
+def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+          params: tuple, checks: tuple, grads: tuple, step: Any):
     lay = prog.layout
     for i, x in zip(prog.check_pos, checks):
         _check_param(x, lay, i)
@@ -394,7 +409,11 @@ def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: t
         by_rule.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
     new_stacks: list = [None] * len(prog.step_stacks)
     new_params: list = [None] * len(prog.stepping)
-    want_grads, want_stats, in_place = wants
+    want_grads, want_stats, in_place, traced = wants
+    # Traced, a tied parameter's other positions are outputs of the caller's program too: per stepping
+    # parameter, the arrays at those positions (see `_mirrors`), else nothing.
+    mirrors = [tuple(checks[k] for k in ks) if traced else () for ks in prog.mirror_pos]
+    new_mirrors: list = [()] * len(prog.stepping)
     squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
     pack_rows: list = []      # new rows of the packs (see optim._pack), from the stacks that step
     for r, js in by_rule.items():
@@ -408,15 +427,18 @@ def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: t
             # backend too, a program lowered for it keeps XLA's path. The kernel sums a tied parameter's gradient
             # parts itself (XLA drops the sum when nothing else reads it).
             parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
+            ms = [tuple(mirrors[a] for a in prog.stack_plan[j][2]) for j in js]
             cpu, xla, hypers = _fused_branches(prog, rules[r], js, in_place)
-            out = cpu(hypers, stk, packs, xs, gs, parts) if fused.only_cpu() else jax.lax.platform_dependent(
-                hypers, stk, packs, xs, gs, parts, cpu=cpu, default=xla)
+            out = cpu(hypers, stk, packs, xs, gs, parts, ms) if fused.only_cpu() else jax.lax.platform_dependent(
+                hypers, stk, packs, xs, gs, parts, ms, cpu=cpu, default=xla)
         else:
             out = _rule_step(prog, rules[r], js, stk, packs, xs, gs)
-        for j, st, new in zip(js, *out[:2]):
+            out += (_mirrors(prog, js, out[1], mirrors),)
+        for j, st, new, ms in zip(js, *out[:2], out[3]):
             new_stacks[j] = st
-            for a, x in zip(prog.stack_plan[j][2], new):
+            for a, x, m in zip(prog.stack_plan[j][2], new, ms):
                 new_params[a] = x
+                new_mirrors[a] = m
         # Whole pack groups, each from one array (see `_rule_step`).
         pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in out[2].items()
                       for t, a in enumerate(group)]
@@ -431,7 +453,7 @@ def _core(prog: Program, wants: tuple[bool, bool, bool], rules: tuple, stacks: t
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
     norms = _norms(prog, squares, params, checks) if want_stats else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
-    return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies),
+    return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
             jnp.asarray(step, jnp.int32) + jnp.int32(1),
             grads_out, norms)
 
@@ -473,27 +495,39 @@ def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, x
     return new_stacks, new_params, assemble(packs, written)
 
 
+def _mirrors(prog: Program, js: list, new_params: list, mirrors: list) -> list:
+    """XLA's path's values for the tied positions `_core` returns when traced: per stack `j` in `js`, per stepping
+    member, its new value once per such position (XLA copies it into a buffer of its own). The kernel writes
+    them itself, into those positions' donated buffers (optim/_fused.cc): no copy after the step, and no fresh
+    buffer whose pages are faulted in on every step."""
+    return [tuple((x,) * len(mirrors[a]) for a, x in zip(prog.stack_plan[j][2], new)) for j, new in zip(js, new_params)]
+
+
 def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
     """`_rule_step` with optim's fused CPU kernel (optim._fused; only where `fused.usable`), and XLA's path, as
-    functions of `(the rule's hyperparameters, stacks, packs, parameters, summed gradients, gradient parts)` (the
-    kernel reads the parts, XLA's path the sums), and the hyperparameters.
+    functions of `(the rule's hyperparameters, stacks, packs, parameters, summed gradients, gradient parts, the
+    tied positions' arrays (see `_mirrors`))` (the kernel reads the parts, XLA's path the sums), and the
+    hyperparameters.
     The kernel has no derivative: differentiated (a meta-gradient through `update`), the kernel's function is
     XLA's path, by a custom JVP (hence the hyperparameters as arguments: they may be what is differentiated).
     The functions reach the Program through a weak reference: the traced program keeps them, and the Program
     keeps the traced program (see `_jitted`)."""
     ref, (hypers, treedef) = weakref.ref(prog), jax.tree_util.tree_flatten(rule)
 
-    def xla(hypers, stacks, packs, xs, gs, parts):
-        return _rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs, gs)
+    def xla(hypers, stacks, packs, xs, gs, parts, ms):
+        prog = ref()
+        new_stacks, new_params, written = _rule_step(prog, treedef.unflatten(hypers), js, stacks, packs, xs, gs)
+        mirrors = {a: m for j, mj in zip(js, ms) for a, m in zip(prog.stack_plan[j][2], mj)}
+        return new_stacks, new_params, written, _mirrors(prog, js, new_params, mirrors)
 
     @jax.custom_jvp
-    def cpu(hypers, stacks, packs, xs, gs, parts):
+    def cpu(hypers, stacks, packs, xs, gs, parts, ms):
         prog = ref()
         lay = prog.layout
-        new_stacks, new_params, written = fused.step(
+        new_stacks, new_params, written, new_ms = fused.step(
             treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
-            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place)
-        return new_stacks, new_params, assemble(packs, written)
+            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms)
+        return new_stacks, new_params, assemble(packs, written), new_ms
 
     cpu.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
     return cpu, xla, hypers
@@ -574,7 +608,7 @@ def _jitted(prog: Program, k: int) -> Any:
     return f
 
 
-def _core_of(ref: weakref.ref, wants: tuple[bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+def _core_of(ref: weakref.ref, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
              params: tuple, checks: tuple, grads: tuple, step: Any):
     return _core(ref(), wants, rules, stacks, packs, params, checks, grads, step)
 

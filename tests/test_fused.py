@@ -97,17 +97,44 @@ def test_inputs_untouched_without_donation():
 
 
 def test_donated_step_runs_in_place():
-    """A user-jitted, donated Adam step on 4 parameters of 16k floats: one kernel call for all four (their moments
-    are separate stacks, one set each), no copy of a parameter's or a moment's array (the one copy is of the
-    pack of bias-correction powers, 4 x 2 numbers). XLA's path compiles 16 fusions (optax: 15)."""
+    """A user-jitted, donated Adam step on 4 parameters of 16k floats, one of them tied at three positions: one
+    kernel call for all four (their moments are separate stacks, one set each), which also writes the tie's new
+    value into the other two positions' donated buffers; no copy of a parameter's or a moment's array (the one
+    copy is of the pack of bias-correction powers, 4 x 2 numbers). XLA's path compiles 16 fusions (optax: 15)."""
     m = {f"w{i}": jnp.ones(16384) * (i + 1) for i in range(4)}
+    m["t1"] = m["t2"] = m["w0"]
     g = jax.tree.map(lambda a: a * 0.1, m)
+    state = optim.setup(optim.Adam(1e-3), m)
+    want_state, want = optim.update(state, m, g)
+    m = {k: v if k == "w0" else jnp.array(v) for k, v in m.items()}   # distinct buffers: each is donated
     f = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
-    text = f.lower(optim.setup(optim.Adam(1e-3), m), m, g).compile().as_text()
+    compiled = f.lower(state, m, g).compile()
+    text = compiled.as_text()
     c = entry_counts(text)
     assert text.count('custom_call_target="optim_fused"') == 1
     assert c["copies"] <= 1 and c["fusions"] <= 4
     assert all("f32[4,2]" in line for line in text[text.index("ENTRY"):].splitlines() if " copy(" in line)
+    assert text.count("may-alias") == len(jax.tree.leaves((state, m)))     # every output reuses its input
+    new_state, new = compiled(state, m, g)
+    for k in ("w0", "t1", "t2", "w3"):
+        np.testing.assert_array_equal(new[k], want["w0" if k[0] == "t" else k])
+    assert_ulp(optim.state_dict(new_state), optim.state_dict(want_state), ulps=0)
+
+
+def test_tied_positions_in_a_jit_that_does_not_donate():
+    """Without donation, the tied positions the kernel writes are copies XLA makes first: the inputs keep their
+    values, and every position holds the new value."""
+    m = model()
+    m["tail"] = m["emb"]
+    before = jax.tree.map(np.array, m)
+    state = optim.setup(optim.Adam(0.1), m)
+    g = grads_at(0, m)
+    _, want = optim.update(state, m, g)
+    _, new = jax.jit(lambda s, m, g: optim.update(s, m, g))(state, m, g)
+    for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for k in ("emb", "head", "tail"):
+        np.testing.assert_array_equal(new[k], want["emb"])
 
 
 def test_vmap_runs_each_member(monkeypatch):
