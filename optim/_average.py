@@ -101,7 +101,7 @@ def averaged(state: State, model: PyTree) -> PyTree:
     >>> avg["emb"], avg["emb"] is avg["head"], avg["n"]     # 0.9 · 1 + 0.1 · 0.8 = 0.98
     (Array([0.98, 1.98], dtype=float32), True, 3)
     """
-    from ._update import flatten_like    # _update imports the rules, which import this module's names
+    from ._program import flatten_like    # _program imports _fused, which imports the rules, which import this module
 
     if not isinstance(state, State):
         raise TypeError(f"averaged: expected the State from optim.setup, got {type(state).__name__}")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ._state import State
 from ._ties import identity_groups
 from ._tree import PyTree, flatten, is_trainable
-from ._update import flatten_like
+from ._program import flatten_like
 
 
 def _unique(model: PyTree, state: Any, who: str):

@@ -17,7 +17,7 @@ from ._adjust import select
 from ._stack import init_stack, reads_nothing
 from ._state import Layout, PathError, State, unwrap
 from ._tree import PyTree, key_name, show
-from ._update import flatten_like
+from ._program import flatten_like
 
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:

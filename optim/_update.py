@@ -1,21 +1,22 @@
 """`update`: one jitted computation over the deduplicated parameters of a model.
 
-Reading order: `update` (what runs per call) -> `_program` (the static plan, built once per structure) ->
-`_core` (the traced computation). Inside `_core`, each stack of parameters (`Layout.stacks`: same
-rule, shape, dtype, placement) runs its rule once, vmapped over the stack's state, so the program has
-a handful of kernels per stack plus one small kernel per parameter that writes its new value. Per call,
+Reading order: `update` (what runs per call) -> `_core` (the traced computation) -> `_rule_step` (XLA's path
+for one rule's stacks) and `_fused_branches` (optim's CPU kernel, `optim._fused`). The static plan that maps
+the model's positions and gradient leaves to parameters, built once per structure and cached, is
+`optim._program`; the norms of `return_stats=True` are `optim._stats`.
+
+Inside `_core`, each stack of parameters (`Layout.stacks`: same rule, shape, dtype, placement) runs its rule
+once, vmapped over the stack's state, so the program has a handful of kernels per stack plus one small kernel per
+parameter that writes its new value (on CPU, one kernel call per 64 parameters of the kernel's rules). Per call,
 `update` flattens the model and each gradient tree (C++), looks the plan up by treedefs, gathers the arrays it
 needs with `operator.itemgetter` (C speed, no per-leaf Python), calls the jitted `_core`, and puts the results
-back the same way. Everything shape- or dtype-dependent is checked
-while `_core` traces, which happens exactly when `jit`'s cache misses, so a valid call pays for no checks and an
-invalid one fails before anything runs.
+back the same way. Everything shape- or dtype-dependent is checked while `_core` traces, which happens exactly
+when `jit`'s cache misses, so a valid call pays for no checks and an invalid one fails before anything runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import operator
 import weakref
 from typing import Any
 
@@ -25,52 +26,15 @@ import numpy as np
 
 from . import _fused as fused
 from . import _hoist as hoist
-from ._cache import LRU
+from . import _stats as stats
 from ._pack import assemble, replace_groups
+from ._program import Program, plan, take
 from ._schedules import resolve
 from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
 from ._state import Layout, State, unwrap
-from ._step import apply_step, step_row, sum_squares
-from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
+from ._step import apply_step, step_row
+from ._tree import PyTree, describe, show
 from ._wrappers import joint_norm
-
-
-def _take(seq, idx: tuple[int, ...]) -> tuple:
-    if len(idx) > 1:
-        return operator.itemgetter(*idx)(seq)
-    return (seq[idx[0]],) if idx else ()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)   # hashed by identity: programs are cached and reused
-class Program:
-    layout: Layout
-    graded: tuple[int, ...]               # parameters with a gradient in the first tree (frozen ones too)
-    stepping: tuple[int, ...]             # ... and those parameters' own indices
-    param_pos: tuple[int, ...]            # model position read for each graded parameter (its canonical)
-    check_pos: tuple[int, ...]            # every other trainable position, only to validate shapes
-    grad_take: tuple[tuple[int, ...], ...]   # per gradient tree: which flat gradient leaves to pass
-    grad_paths: tuple[tuple[str, ...], ...]  # ... and their dotted paths, for error messages
-    # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
-    grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
-    out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
-    # Traced (inside a caller's jit): per stepping parameter, its other plain tied positions (indices into
-    # `check_pos`), which `_core` then returns as outputs of their own (see `_mirrors`); and `out_src` for that
-    # case, indexing new_params + new_copies + those outputs + old leaves.
-    mirror_pos: tuple[tuple[int, ...], ...]
-    out_src_traced: tuple[int, ...]
-    step_stacks: tuple[int, ...]          # stacks with at least one stepping parameter
-    # per such stack: (its rows that step, their indices into `graded`, into `stepping`)
-    stack_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
-    stack_src: tuple[int, ...]            # per stack: index into new_stacks + old stacks
-    # its jitted callables (see `_jitted`), made on first use: [core, core donating, sums]
-    jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
-
-
-# The eager programs, per layout and gradient structures (each `None` pattern is one). 256: a run meets a few
-# patterns, and each Program holds compiled executables, freed when it is evicted (see `_jitted`).
-_PROGRAMS = LRU(256)
-
-
 def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
            return_grads: bool = False, return_stats: bool = False) -> tuple:
     """Take one optimisation step: returns `(new_state, new_model)`; the inputs are not modified.
@@ -113,8 +77,8 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     >>> {k: round(float(v), 4) for k, v in stats["per_param"]["emb"].items()}    # the tie counts once
     {'grad_norm': 2.8284, 'update_norm': 0.7071, 'param_norm': 0.7071}
     """
-    prog, leaves, treedef, flat = _plan(state, model, (grads, *more_grads), "update")
-    gs = tuple(_take(g, t) for g, t in zip(flat, prog.grad_take))
+    prog, leaves, treedef, flat = plan(state, model, (grads, *more_grads), "update")
+    gs = tuple(take(g, t) for g, t in zip(flat, prog.grad_take))
     k = 1 if donate else 0
     run = prog.jitted[k] or _jitted(prog, k)
     # The fused kernel (optim._fused) updates in place where the buffers are donated: eagerly with donate=True,
@@ -124,19 +88,19 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     try:
         new_stacks, new_packs, new_params, step, summed, norms = run(
             (bool(return_grads), bool(return_stats), bool(donate) or traced, traced), state.rules,
-            _take(state.stored, prog.step_stacks), state.packs, _take(leaves, prog.param_pos),
-            _take(leaves, prog.check_pos), gs, state.step)
+            take(state.stored, prog.step_stacks), state.packs, take(leaves, prog.param_pos),
+            take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
         raise
-    new_leaves = _take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
-    out = (State(state.layout, state.rules, _take(new_stacks + state.stored, prog.stack_src), step,
+    new_leaves = take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
+    out = (State(state.layout, state.rules, take(new_stacks + state.stored, prog.stack_src), step,
                  replace_groups(state.packs, new_packs)),
            treedef.unflatten(new_leaves))
     if return_grads:
         out += (_grad_tree(prog, summed, treedef),)
     if return_stats:
-        out += (_stats_dict(state.layout, norms),)
+        out += (stats.as_dict(state.layout, norms),)
     return out
 
 
@@ -160,10 +124,10 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
         params_needed = False
     else:
         params_needed = True
-    prog, leaves, treedef, flat = _plan(state, model, (grads,), "tie_grads", check_model=params_needed)
-    xs = _take(leaves, prog.param_pos) if params_needed else tuple(
+    prog, leaves, treedef, flat = plan(state, model, (grads,), "tie_grads", check_model=params_needed)
+    xs = take(leaves, prog.param_pos) if params_needed else tuple(
         jax.ShapeDtypeStruct(state.layout.params[u].shape, state.layout.params[u].dtype) for u in prog.graded)
-    gs = (_take(flat[0], prog.grad_take[0]),)
+    gs = (take(flat[0], prog.grad_take[0]),)
     try:
         summed = (prog.jitted[2] or _jitted(prog, 2))(xs, gs)
     except TypeError:
@@ -217,115 +181,6 @@ def _grad_tree(prog: Program, summed: tuple, treedef) -> PyTree:
     for g, u in zip(summed, prog.graded):
         out[prog.layout.params[u].canonical] = g
     return treedef.unflatten(out)
-
-
-def _plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool = True):
-    if not isinstance(state, State):
-        raise TypeError(f"{who}: expected the State from optim.setup as first argument, got {type(state).__name__}")
-    lay = state.layout
-    leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
-    flat = [jax.tree_util.tree_flatten(g) for g in trees]
-    key = (lay, hoist.ENABLED, fused.ENABLED, *(d for _, d in flat))
-    prog = _PROGRAMS.get(key)
-    if prog is None:
-        prog = _program(lay, trees, who)
-        _PROGRAMS[key] = prog
-    return prog, leaves, treedef, [g for g, _ in flat]
-
-
-def flatten_like(lay: Layout, model: PyTree, who: str) -> tuple[list, Any]:
-    """Flatten `model`, which must have the structure `lay` was set up for (else a ValueError naming paths)."""
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    if treedef != lay.treedef:
-        raise ValueError(f"{who}: the model does not have the structure this state was set up for: "
-                         + structure_diff(list(lay.paths), flatten(model)[0]))
-    return leaves, treedef
-
-
-def _grad_map(lay: Layout, grads: PyTree, which: str) -> tuple[dict[int, int], list[str]]:
-    """Match a gradient tree to model positions by JAX key path: `{position: flat gradient index}`.
-
-    Key paths, not dotted names: a flat `{"a.b": g}` is not a gradient for `{"a": {"b": x}}`, and a model whose
-    dotted names collide still trains. `None` may stand for any subtree. Anything else missing or extra is a
-    structure error naming the path.
-    """
-    pairs, _ = jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)
-    nones, found, gpaths = set(), {}, []
-    for kp, g in pairs:
-        if g is None:
-            nones.add(kp)
-            continue
-        gpaths.append(dotted(kp))
-        i = lay.key_index.get(kp)
-        if i is None:
-            where = ("where the model has a subtree" if kp in lay.key_nodes else
-                     f"which is not a path of the model (key path {jax.tree_util.keystr(kp)}: gradients must "
-                     f"have the model's structure, whose leaves are at "
-                     f"{', '.join(map(jax.tree_util.keystr, lay.keypaths[:3]))}"
-                     f"{', ...' if len(lay.keypaths) > 3 else ''})")
-            raise ValueError(f"{which} has a leaf ({describe(g)}) at {show(gpaths[-1])}, {where}")
-        found[i] = len(gpaths) - 1
-    for i, kp in enumerate(lay.keypaths):
-        if i not in found and not any(kp[:k] in nones for k in range(len(kp) + 1)):
-            raise ValueError(f"{which} has no entry for {show(lay.paths[i])} (use None for 'no gradient'); "
-                             f"structure differs from the model: " + structure_diff(list(lay.paths), gpaths))
-    return found, gpaths
-
-
-def _program(lay: Layout, trees: tuple, who: str) -> Program:
-    names = [f"{who}: grads"] + [f"{who}: gradient tree {t + 2}" for t in range(len(trees) - 1)]
-    maps = [_grad_map(lay, g, n) for g, n in zip(trees, names)]
-    positions = [[(i, None) for i in p.members] + [(t.position, t.f) for t in p.transforms] for p in lay.params]
-    graded = tuple(u for u in range(len(lay.params)) if any(i in maps[0][0] for i, _ in positions[u]))
-    take, paths, slots = [], [], []
-    for found, gpaths in maps:
-        order: dict[int, int] = {}
-        per_param = []
-        for u in graded:
-            per_param.append(tuple((order.setdefault(found[i], len(order)), f)
-                                   for i, f in positions[u] if i in found))
-        take.append(tuple(order))
-        paths.append(tuple(gpaths[j] for j in order))
-        slots.append(tuple(per_param))
-    # Outputs of _core: one new array per stepping parameter, then one per transformed member of those.
-    stepping = tuple(u for u in graded if not lay.frozen[u])   # graded and not frozen
-    n_new = len(stepping) + sum(len(lay.params[u].transforms) for u in stepping)
-    out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
-    graded_at = {u: a for a, u in enumerate(graded)}
-    stepping_at = {u: a for a, u in enumerate(stepping)}
-    step_stacks, plan = [], []
-    for g, stack in enumerate(lay.stacks):
-        rows = tuple(k for k, u in enumerate(stack) if u in stepping_at)
-        if rows:
-            step_stacks.append(g)
-            plan.append((rows, tuple(graded_at[stack[k]] for k in rows),
-                         tuple(stepping_at[stack[k]] for k in rows)))
-    stack_src = [len(step_stacks) + g for g in range(len(lay.stacks))]
-    for j, g in enumerate(step_stacks):
-        stack_src[g] = j
-    extra = len(stepping)
-    for a, u in enumerate(stepping):
-        for i in lay.params[u].members:
-            out_src[i] = a
-        for t in lay.params[u].transforms:
-            out_src[t.position] = extra
-            extra += 1
-    canon = {lay.params[u].canonical for u in graded}
-    check = tuple(i for p in lay.params for i in p.members + tuple(t.position for t in p.transforms) if i not in canon)
-    check_at = {i: k for k, i in enumerate(check)}
-    mirror_pos = tuple(tuple(check_at[i] for i in lay.params[u].members if i != lay.params[u].canonical)
-                       for u in stepping)
-    n_mirrors = sum(map(len, mirror_pos))
-    out_traced = [k + n_mirrors if k >= n_new else k for k in out_src]
-    for a, u in enumerate(stepping):
-        for c, k in enumerate(mirror_pos[a]):
-            out_traced[check[k]] = extra + c
-        extra += len(mirror_pos[a])
-    return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
-                   tuple(take), tuple(paths), tuple(slots), tuple(out_src), tuple(mirror_pos), tuple(out_traced),
-                   tuple(step_stacks), tuple(plan), tuple(stack_src))
-
-
 def _check_param(x: Any, lay: Layout, i: int) -> None:
     p = lay.params[lay.param_of[i]]
     shape, dtype = p.shape, p.dtype
@@ -446,12 +301,12 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
             for j, x, g in zip(js, xs, gs):
                 # Reductions per stack over its gradients, old and new values (the new ones as written, so the
                 # step is not recomputed): a few kernels per stack, not per parameter.
-                squares[j] = _row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
+                squares[j] = stats.row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
                                           stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
     new_packs = assemble(packs, pack_rows)
     copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
     grads_out = tuple(s[0] for s in summed) if want_grads else ()
-    norms = _norms(prog, squares, params, checks) if want_stats else ()
+    norms = stats.norms(prog, squares, params, checks) if want_stats else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
     return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
             jnp.asarray(step, jnp.int32) + jnp.int32(1),
@@ -531,56 +386,6 @@ def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
 
     cpu.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
     return cpu, xla, hypers
-
-
-def _row_squares(g: jax.Array, x: jax.Array, new: jax.Array) -> jax.Array:
-    """Per row (leading axis) of a stack: [Σ|g|², Σ|x - new|², Σ|new|²], accumulated in float32 (or wider),
-    shape (rows, 3). Three plain reductions: on XLA:CPU they run 4x faster than one variadic reduction."""
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    dims = tuple(range(1, x.ndim))
-    return jnp.stack([sum_squares(a, dims).astype(jnp.float32)
-                      for a in (g, x.astype(wide) - new.astype(wide), new)], axis=1)
-
-
-def _norms(prog: Program, squares: list, params: tuple, checks: tuple) -> tuple[jax.Array, jax.Array]:
-    """The (grad, update, param) norms: globally (shape (3,)) and per parameter (shape (parameters, 3), in
-    `layout.params` order), from the squared norms of the stepping stacks and the current values of the
-    parameters that took no step. One array each, not three scalars per parameter: the program stays small."""
-    lay = prog.layout
-    graded = {u: a for a, u in enumerate(prog.graded)}
-    checked = {i: k for k, i in enumerate(prog.check_pos)}
-    stepping = set(prog.stepping)
-    rows, order = list(squares), [u for j in range(len(prog.step_stacks)) for u in
-                                  (prog.stepping[a] for a in prog.stack_plan[j][2])]
-    idle = [u for u in range(len(lay.params)) if u not in stepping]
-    if idle:
-        xs = [params[graded[u]] if u in graded else checks[checked[lay.params[u].canonical]] for u in idle]
-        norms = jnp.stack([sum_squares(x).astype(jnp.float32) for x in xs])
-        rows.append(jnp.stack([jnp.zeros_like(norms), jnp.zeros_like(norms), norms], axis=1))
-        order += idle
-    per = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
-    where = np.argsort(np.asarray(order))
-    if not (where == np.arange(len(where))).all():
-        per = per[where]
-    return jnp.sqrt(per.sum(0)), jnp.sqrt(per)
-
-
-_STATS = ("grad_norm", "update_norm", "param_norm")
-
-
-def _stats_dict(lay: Layout, norms: tuple) -> dict:
-    """The stats dict from the program's norms (global, shape (3,); per parameter, shape (parameters, 3)).
-    Eagerly, the per-parameter norms come to the host in one transfer (3 device scalars per parameter would
-    cost XLA a compiled slice each: ~40 s of compiling for 1000 parameters); traced, they are slices that XLA
-    drops unless the caller returns them."""
-    totals, per = norms
-    out: dict = {name: totals[k] for k, name in enumerate(_STATS)}
-    rows = per if isinstance(per, jax.core.Tracer) else np.asarray(per)
-    out["per_param"] = {lay.paths[p.canonical]: {name: rows[u, k] for k, name in enumerate(_STATS)}
-                        for u, p in enumerate(lay.params)}
-    return out
-
-
 def _conj(g: jax.Array) -> jax.Array:
     return jnp.conj(g) if jnp.iscomplexobj(g) else g
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from sharding_checks import misplaced_state  # noqa: E402   (this script's folder is on sys.path)
 
 LOCAL_DEVICES = 4
 VOCAB, DIM = 16, 8
@@ -120,20 +121,6 @@ def bitwise_equal(a, b) -> bool:
             and all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(la, lb)))
 
 
-def placed_like_params(optim, state, model) -> list[str]:
-    """Paths whose state arrays (shaped like the parameter) do not carry the parameter's sharding."""
-    flat = dict(optim.trainables(model, path=True))
-    bad = []
-    for path, leaf in state.items():
-        x = flat[path]
-        for a in jax.tree.leaves(leaf.state):
-            if getattr(a, "shape", None) == x.shape and x.ndim:
-                sh = getattr(a, "sharding", None)
-                if sh is None or not sh.is_equivalent_to(x.sharding, x.ndim):
-                    bad.append(f"{path}: {type(a).__name__} {sh}")
-    return bad
-
-
 # ------------------------------------------------------------------------------------------- the job
 def main(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_path: str) -> None:
     t_start = time.perf_counter()
@@ -184,7 +171,7 @@ def main(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_path
     state, model = fresh()
     checks["tied_after_place"] = model["emb"] is model["head"]
     checks["ties_found"] = state.ties() == {"emb": ("head",)}
-    bad = placed_like_params(optim, state, model)
+    bad = misplaced_state(optim, state, model)
     info["setup_unsharded"] = bad
     checks["setup_places_state_like_params"] = not bad
     info["param_specs"] = {p: str(x.sharding.spec) for p, x in optim.trainables(model, path=True)}
@@ -196,7 +183,7 @@ def main(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_path
     s_ref, m_ref, losses_ref = run(state, model, range(STEPS))
     info["seconds_uninterrupted"] = round(time.perf_counter() - t0, 2)
     info["compilations_uninterrupted"] = len(traces)
-    checks["state_sharding_kept"] = not placed_like_params(optim, s_ref, m_ref)
+    checks["state_sharding_kept"] = not misplaced_state(optim, s_ref, m_ref)
     initial = gather(place(make_model(), mesh)["emb"])[0]
     info["emb_moved"] = float(np.max(np.abs(gather(m_ref["emb"])[0] - initial)))
     checks["params_moved"] = info["emb_moved"] > 1e-3
@@ -249,7 +236,7 @@ def main(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_path
     opt_restored = digest(optim.state_dict(new_state))
     checks["model_restored_bitwise"] = bitwise_equal(new_model, model)
     checks["step_restored"] = int(new_state.step) == SPLIT
-    bad = placed_like_params(optim, new_state, new_model)
+    bad = misplaced_state(optim, new_state, new_model)
     info["restored_unsharded"] = bad
     checks["restored_state_placed_like_params"] = not bad
     checks["restored_state_placed_like_fresh"] = all(

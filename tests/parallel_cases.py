@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optim  # noqa: E402
+from sharding_checks import misplaced_state  # noqa: E402   (this script's folder is on sys.path)
 
 N_DEV = 8
 STEPS = 6
@@ -212,20 +213,6 @@ def fsdp_specs(model, mesh):
                         model)
 
 
-def state_shardings_ok(state, model) -> list[str]:
-    """Paths whose state arrays (shaped like the parameter) do not carry the parameter's sharding."""
-    flat = dict(optim.trainables(model, path=True))
-    bad = []
-    for path, leaf in state.items():
-        x = flat[path]
-        for a in jax.tree.leaves(leaf.state):
-            if getattr(a, "shape", None) == x.shape and x.ndim:
-                sh = getattr(a, "sharding", None)
-                if sh is None or not sh.is_equivalent_to(x.sharding, x.ndim):
-                    bad.append(f"{path}: {type(a).__name__} {sh}")
-    return bad
-
-
 def case_fsdp(ref) -> dict:
     # Auto axes: XLA inserts the all-gathers of the parameters the forward pass needs (with the default
     # Explicit axes the model code would call jax.sharding.reshard(w, P()) itself).
@@ -234,7 +221,7 @@ def case_fsdp(ref) -> dict:
     model = tie_preserving_put(model, fsdp_specs(model, mesh))
     assert model["emb"] is model["head"]
     state = optim.setup(make_rule(), model)
-    setup_bad = state_shardings_ok(state, model)
+    setup_bad = misplaced_state(optim, state, model)
     # the step counter is replicated over the mesh, so a restore target built from this state puts it there
     # (one committed to a single device would be refused by a step over the mesh)
     step_spec = (str(state.step.sharding.spec), state.step.sharding.mesh.shape == mesh.shape)
@@ -256,7 +243,7 @@ def case_fsdp(ref) -> dict:
     jax.jit(optim.update)(optim.load_state_dict(state, restored), model, grads0)
     # Called eagerly (optim's own jit), update keeps the placement too.
     eager_state, eager_model = optim.update(state, model, grads0)
-    eager_bad = state_shardings_ok(eager_state, eager_model)
+    eager_bad = misplaced_state(optim, eager_state, eager_model)
     assert not eager_bad, f"eager update changed the state's sharding: {eager_bad}"
     assert eager_model["emb"] is eager_model["head"]
 
@@ -268,7 +255,7 @@ def case_fsdp(ref) -> dict:
     specs = {p: str(x.sharding.spec) for p, x in optim.trainables(model, path=True)}
     assert specs == {"emb": "P('data',)", "head": "P('data',)", "mlp.b": "P('data',)", "mlp.w": "P('data',)",
                      "gain": "P()"}, specs
-    after_bad = state_shardings_ok(state, model)
+    after_bad = misplaced_state(optim, state, model)
     assert not after_bad, f"update changed the state's sharding: {after_bad}"
     out.update(setup_unsharded=setup_bad, step_spec=step_spec, update_all_gathers=update_hlo.count("all-gather"),
                step_all_gathers=step_hlo.count("all-gather"), grad_all_gathers=grad_hlo.count("all-gather"),
@@ -292,7 +279,7 @@ def case_checkpoint_sharded(ref) -> dict:
         model = make_model()
         model = tie_preserving_put(model, fsdp_specs(model, mesh))
         state = optim.setup(make_rule(), model)
-        assert not state_shardings_ok(state, model)
+        assert not misplaced_state(optim, state, model)
         return state, model
 
     state, model = sharded()
@@ -311,7 +298,7 @@ def case_checkpoint_sharded(ref) -> dict:
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
         if isinstance(c, jax.Array):
             assert a.sharding == c.sharding, (a.sharding, c.sharding)
-    assert not state_shardings_ok(new_state, new_model)
+    assert not misplaced_state(optim, new_state, new_model)
     # and training goes on from there exactly as without the round trip
     b = jax.device_put(batches()[2], by_batch)
     cont = jax.block_until_ready(step(new_state, new_model, b))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import optim
-import optim._update as U
+import optim._program as plans
 from optim._cache import LRU, memoize
 
 L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
@@ -28,7 +28,7 @@ L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
 @pytest.fixture
 def small_cache(monkeypatch):
     def limit(n):
-        monkeypatch.setattr(U, "_PROGRAMS", LRU(n))
+        monkeypatch.setattr(plans, "_PROGRAMS", LRU(n))
     return limit
 
 
@@ -62,8 +62,8 @@ def counting_compiles():
 def test_lru_keeps_the_pattern_used_on_every_step(small_cache, monkeypatch):
     small_cache(4)
     built = []
-    program = U._program
-    monkeypatch.setattr(U, "_program", lambda *a: built.append(program(*a)) or built[-1])
+    program = plans._make
+    monkeypatch.setattr(plans, "_make", lambda *a: built.append(program(*a)) or built[-1])
     state, model = setup()
     hot, *rare = patterns(13)
     for _ in range(2):   # the second call sees committed arrays (a new signature for jit), then stays warm
@@ -75,8 +75,8 @@ def test_lru_keeps_the_pattern_used_on_every_step(small_cache, monkeypatch):
     jax.block_until_ready(model)
     assert len(built) == 1 + len(rare), "the pattern used on every step was evicted and rebuilt"
     assert len(compiles) == len(rare), "the pattern used on every step was compiled again"
-    assert built[0] in U._PROGRAMS.values() and len(U._PROGRAMS) == 4
-    assert next(reversed(U._PROGRAMS.values())) is built[0]   # most recently used last
+    assert built[0] in plans._PROGRAMS.values() and len(plans._PROGRAMS) == 4
+    assert next(reversed(plans._PROGRAMS.values())) is built[0]   # most recently used last
 
 
 def test_eviction_frees_the_program_and_its_executables(small_cache):
@@ -87,7 +87,7 @@ def test_eviction_frees_the_program_and_its_executables(small_cache):
     state, model = optim.update(state, model, first)
     state, model = optim.update(state, jax.tree.map(jnp.copy, model), first, donate=True)
     optim.tie_grads(state, first)
-    dead = weakref.ref(next(reversed(U._PROGRAMS.values())))
+    dead = weakref.ref(next(reversed(plans._PROGRAMS.values())))
     client = jax.devices()[0].client
     live = getattr(client, "live_executables", None)
     gc.collect()
@@ -97,7 +97,7 @@ def test_eviction_frees_the_program_and_its_executables(small_cache):
     jax.block_until_ready(model)
     gc.collect()
     assert dead() is None, "an evicted Program is still alive (and with it its executables)"
-    assert sum(isinstance(o, U.Program) and o.layout is state.layout for o in gc.get_objects()) <= 2
+    assert sum(isinstance(o, plans.Program) and o.layout is state.layout for o in gc.get_objects()) <= 2
     if live:
         # `first` had 3 executables (now freed); 2 programs of one executable each are cached
         assert len(live()) - before <= 2, f"{len(live()) - before} more live executables after 12 evictions"
@@ -147,7 +147,7 @@ def module_caches() -> dict[str, LRU]:
 def test_every_module_cache_is_a_bounded_lru():
     sizes = {name: c.maxsize for name, c in module_caches().items()}
     assert sizes == {
-        "_update._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
+        "_program._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
         "_checkpoint_format._DTYPE_NAMES": 64, "_optax._CHECKED": 1024, "_optax._factory_class": 1024,
         "_stack._default_sharding": 1, "_state_dict._stacker": 256,
         "_average._averager": 32, "_tree._INEXACT": 64, "_hoist._SPLITS": 1024, "_state._SHAPES": 4096}
