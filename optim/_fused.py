@@ -36,7 +36,7 @@ import numpy as np
 
 from ._pack import is_packed
 from ._rules import Adam, AdamW, Descent, Lion, Momentum
-from ._stack import row_index, traced_sharded
+from ._stack import KERNEL_FLOATS, row_index, traced_sharded
 from ._step import as_compute, clip_factor, eps_of, real_dtype
 from ._wrappers import ClipGlobalNorm, OptimiserChain, joint_norm
 
@@ -49,7 +49,6 @@ _log = logging.getLogger("optim")
 
 # Kernel kinds (optim/_fused.cc) and state arrays per member.
 _ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT = range(6)
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def _load() -> tuple[bool, str]:
@@ -130,7 +129,7 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
     except TypeError:
         return False
     for p, tree, n in zip(params, stored, sizes):
-        if jnp.dtype(p.dtype) not in _FLOATS or p.state_place is not None or not _single_device(p.place):
+        if jnp.dtype(p.dtype) not in KERNEL_FLOATS or p.state_place is not None or not _single_device(p.place):
             return False
         leaves = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)[0]
         wide = [a for a in leaves if not is_packed(a)]
@@ -140,7 +139,7 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
         elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
             return False
         for a in wide:
-            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in _FLOATS or traced_sharded(a):
+            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or traced_sharded(a):
                 return False
     return True
 

@@ -25,6 +25,8 @@ STACK_MAX_SIZE = 8192
 
 
 STACK_MAX_MEMBERS = 64
+# The dtypes of parameters and state arrays that optim's fused CPU kernel reads (optim/_fused.cc).
+KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int, ...], ...]:
@@ -38,7 +40,7 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     for u, p in enumerate(params):
         if math.prod(p.shape) > STACK_MAX_SIZE and not (
                 p.rule in wide and p.place is None and p.state_place is None
-                and p.dtype in (np.dtype(np.float32), jnp.dtype(jnp.bfloat16))):
+                and p.dtype in KERNEL_FLOATS):
             out.append([u])
             continue
         key = (p.rule, p.shape, p.dtype, p.place, p.state_place)
