@@ -36,7 +36,7 @@ from pathlib import Path
 
 from . import candidates as C
 from . import runner, workloads
-from .worker import MARK
+from .worker import MARK, timed_rounds
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -289,23 +289,7 @@ def _interleave(cands: dict, rounds: int, target: float) -> dict:
         except Exception as e:
             out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             del cands[name]
-    names = list(cands)
-    for r in range(rounds):
-        k = r % len(names) if names else 0
-        for name in names[k:] + names[:k]:
-            c, n = cands[name], reps[name]
-            if collect:
-                gc.collect()
-            gc.disable()
-            try:
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    c.step()
-                c.block()
-                out[name].append((time.perf_counter() - t0) / n)
-            finally:
-                gc.enable()
-    return {"samples": out, "reps": reps}
+    return timed_rounds(cands, reps, rounds, out, collect)
 
 
 def child_steps(section: dict, quick: bool, rounds: int, target: float) -> dict:

@@ -71,6 +71,13 @@ def interleave(cands: dict, rounds: int, target_s: float, max_reps: int = 100000
         except Exception as e:             # a failing candidate is reported, the others still run
             out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             del cands[name]
+    return timed_rounds(cands, reps, rounds, out, collect)
+
+
+def timed_rounds(cands: dict, reps: dict, rounds: int, out: dict, collect: bool) -> dict:
+    """`rounds` rounds over the calibrated candidates, each starting at the next candidate (no candidate always
+    runs first): `reps[name]` steps per sample, appended to `out[name]`; a full `gc` before each sample when
+    `collect`, none during it."""
     names = list(cands)
     for r in range(rounds):
         k = r % len(names) if names else 0
