@@ -19,10 +19,10 @@
 // and of mirrors. Results: the state stacks, then x_1..x_k, then the mirrors, each holding its member's new
 // value: aliased to their operands (updated in place, when the caller donates), or new buffers (the operands
 // are then only read). Inside a caller's jit a tied parameter's other positions are outputs of their own; a
-// mirror aliased to the donated buffer of such a position is written as the chunk is (from cache), where XLA
-// would otherwise copy the new value into a fresh buffer after the step. Dtypes: parameters (and their gradients) float32
-// or bfloat16, each state stack float32 or bfloat16 (alike across sets); the arithmetic is float32, in the order
-// of the rules in optim/_rules.py.
+// mirror aliased to the donated buffer of such a position is written block by block as the member is (from
+// cache), where XLA would otherwise copy the new value into a fresh buffer after the step. Dtypes: parameters
+// (and their gradients) float32 or bfloat16, each state stack float32 or bfloat16 (alike across sets); the
+// arithmetic is float32, in the order of the rules in optim/_rules.py.
 
 #include <algorithm>
 #include <cmath>

@@ -23,6 +23,7 @@ from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
 
 
 def take(seq, idx: tuple[int, ...]) -> tuple:
+    """`tuple(seq[i] for i in idx)`, at C speed (`operator.itemgetter`)."""
     if len(idx) > 1:
         return operator.itemgetter(*idx)(seq)
     return (seq[idx[0]],) if idx else ()
@@ -59,6 +60,8 @@ _PROGRAMS = LRU(256)
 
 
 def plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool = True):
+    """`(program, the model's leaves, its treedef, each gradient tree's leaves)` for a call of `who` (`update`,
+    `tie_grads`), the program from the cache when the layout and the trees' structures were seen before."""
     if not isinstance(state, State):
         raise TypeError(f"{who}: expected the State from optim.setup as first argument, got {type(state).__name__}")
     lay = state.layout
