@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal, jaxprs_in_params
 
 from ._cache import memoize
 from ._tree import canonical_dtype, show
@@ -86,21 +87,53 @@ def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
 
 def _host_init(rule: Any, shape: tuple, dtype: np.dtype, cache: dict | None) -> Any:
     """`rule.init` of a parameter of this shape and dtype as read-only numpy arrays, or None when the init
-    reads the parameter's values. `cache` (one per `setup` call, keyed by the rule object) saves the tracing."""
+    reads the parameter's values. `cache` (one per `setup` call, keyed by the rule object) saves the tracing.
+
+    Traced, not run: an array filled with one value (zeros, a constant) becomes a zero-stride view of that value,
+    which holds no memory until the first `update` moves it to the device (optax's `init` allocates its zeros
+    once; running `rule.init` here allocated them twice more, on the device and as the host copy)."""
     key = (id(rule), shape, dtype)
     if cache is not None and key in cache:
         return cache[key]
-    x0 = jnp.zeros(shape, dtype)
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    closed, shapes = jax.make_jaxpr(rule.init, return_shape=True)(x)
     out = None
-    if reads_nothing(rule.init, x0):
-        proto, treedef = jax.tree_util.tree_flatten(rule.init(x0))
-        host = [np.array(a) for a in proto]
+    if _reads_nothing(closed.jaxpr):
+        host = _host_values(closed)
+        if host is None:     # not a plain sequence of primitives: run the init (it allocates its outputs)
+            host = [np.array(a) for a in jax.tree.leaves(rule.init(jnp.zeros(shape, dtype)))]
         for h in host:
             h.flags.writeable = False
-        out = treedef.unflatten(host)
+        out = jax.tree.structure(shapes).unflatten(host)
     if cache is not None:
         cache[key] = out
     return out
+
+
+def _host_values(closed: Any) -> list | None:
+    """The outputs of a jaxpr that reads no input, as numpy arrays: a scalar broadcast (`jnp.zeros`,
+    `jnp.full`) as a zero-stride view of the scalar, the rest computed. None if an equation holds a jaxpr of its
+    own (a nested jit or custom derivative: the caller runs the function instead)."""
+    jaxpr = closed.jaxpr
+    env: dict = dict(zip(jaxpr.constvars, closed.consts))
+    views: set = set()      # ids of the zero-stride views made here (anything else is copied)
+
+    def read(a):
+        return a.val if isinstance(a, Literal) else env[a]
+
+    for e in jaxpr.eqns:
+        if any(True for _ in jaxprs_in_params(e.params)):
+            return None
+        ins = [read(a) for a in e.invars]
+        if e.primitive.name == "broadcast_in_dim" and np.ndim(ins[0]) == 0:
+            aval = e.outvars[0].aval
+            env[e.outvars[0]] = view = np.broadcast_to(np.asarray(ins[0], aval.dtype), aval.shape)
+            views.add(id(view))
+            continue
+        outs = e.primitive.bind(*ins, **e.params)
+        for v, o in zip(e.outvars, outs if e.primitive.multiple_results else [outs]):
+            env[v] = o
+    return [read(v) if id(read(v)) in views else np.array(read(v), v.aval.dtype) for v in jaxpr.outvars]
 
 
 def stack_states(states: list) -> Any:
@@ -251,7 +284,10 @@ def _default_sharding() -> jax.sharding.Sharding:
 
 def reads_nothing(fn: Callable, x: jax.Array) -> bool:
     """Whether `fn(x)`'s outputs depend only on x's shape and dtype, not its values."""
-    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+    return _reads_nothing(jax.make_jaxpr(fn)(x).jaxpr)
+
+
+def _reads_nothing(jaxpr: Any) -> bool:
     v = jaxpr.invars[0]
     return not any(a is v for e in jaxpr.eqns for a in e.invars) and not any(a is v for a in jaxpr.outvars)
 

@@ -182,6 +182,44 @@ def test_setup_of_many_small_leaves_stores_few_arrays():
     assert isinstance(mu, np.ndarray) and mu.strides[0] == 0 and not mu.flags.writeable
 
 
+class _Iota(optim.Rule):       # an init that is not one value: computed on the host
+    def init(self, x):
+        return {"i": jnp.arange(x.size, dtype=x.dtype).reshape(x.shape), "z": jnp.zeros_like(x)}
+
+    def apply(self, state, x, dx, *dxs):
+        return state, dx
+
+
+class _Nested(optim.Rule):     # an init with a nested jit: run as it is
+    def init(self, x):
+        return jax.jit(lambda y: jnp.full_like(y, 2.0))(x)
+
+    def apply(self, state, x, dx, *dxs):
+        return state, dx
+
+
+@pytest.mark.parametrize("rule", [optim.Adam(0.1, mu_dtype=jnp.bfloat16), optim.AdaGrad(), optim.Adafactor(0.1),
+                                  optim.chain(optim.ClipGlobalNorm(1.0), optim.Lion()), _Iota(), _Nested()],
+                         ids=lambda r: type(r).__name__)
+def test_setup_traces_the_init_and_allocates_no_filled_array(rule):
+    """`setup` traces an init that reads nothing instead of running it: an array filled with one value is a
+    read-only zero-stride view of it (no memory until the first `update` puts it on the device), anything else is
+    computed; the values, dtypes and shapes are `rule.init`'s, and the first step runs from them."""
+    x = jnp.ones((300, 200))
+    state = optim.setup(rule, {"w": x})
+    got, want = jax.tree.leaves(state["w"].state), jax.tree.leaves(rule.init(x))
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The stored stacks (leading member axis) of more than a few numbers that hold one value throughout.
+    filled = [a for a in jax.tree.leaves(state.stored)
+              if isinstance(a, np.ndarray) and a[0].size > 2 and (a[0] == a[0].flat[0]).all()]
+    if not isinstance(rule, _Nested):
+        assert filled and all(set(a.strides[1:]) == {0} and not a.flags.writeable for a in filled)
+    new_state, new = optim.update(state, {"w": x}, {"w": jnp.full_like(x, 0.5)})
+    jax.block_until_ready(new)
+
+
 def test_whole_model_rule_applied_to_one_leaf_directly():
     """`apply` of a rule built on `apply_tree` runs it on a stack of one; SkipNonFinite's gate is shared (0-d)."""
     rule = optim.SkipNonFinite(optim.Adam(0.1))
