@@ -144,8 +144,8 @@ def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> 
     return True
 
 
-def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool = True,
-         mirrors: list | None = None):
+def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool,
+         mirrors: list):
     """One step of `rule` with the kernel (see `usable`). Per stack `i`: `stored[i]` its stored state tree,
     `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and
     gradients (per member a tuple of 1 or 2 arrays that the kernel sums: a tied parameter's gradient parts), and
@@ -172,7 +172,6 @@ def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, p
             groups.setdefault(key, []).append((i, m, r))
     new_wides = [list(w) for w in wides]
     new_xs = [list(x) for x in xs]
-    mirrors = mirrors if mirrors is not None else [[()] * len(x) for x in xs]
     new_mirrors = [list(m) for m in mirrors]
     pack_rows: list = []
     for members in groups.values():

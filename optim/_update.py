@@ -273,6 +273,7 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
     pack_rows: list = []      # new rows of the packs (see optim._pack), from the stacks that step
     for r, js in by_rule.items():
         stk = [stacks[j] for j in js]
+        ms = [tuple(mirrors[a] for a in prog.stack_plan[j][2]) for j in js]
         xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
         gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
         sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
@@ -282,16 +283,15 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
             # backend too, a program lowered for it keeps XLA's path. The kernel sums a tied parameter's gradient
             # parts itself (XLA drops the sum when nothing else reads it).
             parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
-            ms = [tuple(mirrors[a] for a in prog.stack_plan[j][2]) for j in js]
             cpu, xla, hypers = _fused_branches(prog, rules[r], js, in_place)
             out = cpu(hypers, stk, packs, xs, gs, parts, ms) if fused.only_cpu() else jax.lax.platform_dependent(
                 hypers, stk, packs, xs, gs, parts, ms, cpu=cpu, default=xla)
         else:
             out = _rule_step(prog, rules[r], js, stk, packs, xs, gs)
-            out += (_mirrors(prog, js, out[1], mirrors),)
-        for j, st, new, ms in zip(js, *out[:2], out[3]):
+            out += (_mirrors(out[1], ms),)
+        for j, st, new, new_ms in zip(js, *out[:2], out[3]):
             new_stacks[j] = st
-            for a, x, m in zip(prog.stack_plan[j][2], new, ms):
+            for a, x, m in zip(prog.stack_plan[j][2], new, new_ms):
                 new_params[a] = x
                 new_mirrors[a] = m
         # Whole pack groups, each from one array (see `_rule_step`).
@@ -350,12 +350,13 @@ def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, x
     return new_stacks, new_params, assemble(packs, written)
 
 
-def _mirrors(prog: Program, js: list, new_params: list, mirrors: list) -> list:
-    """XLA's path's values for the tied positions `_core` returns when traced: per stack `j` in `js`, per stepping
-    member, its new value once per such position (XLA copies it into a buffer of its own). The kernel writes
-    them itself, into those positions' donated buffers (optim/_fused.cc): no copy after the step, and no fresh
-    buffer whose pages are faulted in on every step."""
-    return [tuple((x,) * len(mirrors[a]) for a, x in zip(prog.stack_plan[j][2], new)) for j, new in zip(js, new_params)]
+def _mirrors(new_params: list, ms: list) -> list:
+    """XLA's path's values for the tied positions `_core` returns when traced: per stack, per stepping member
+    (its new value `new_params[i][m]`, the arrays at its tied positions `ms[i][m]`), the new value once per such
+    position (XLA copies it into a buffer of its own). The kernel writes them itself, into those positions'
+    donated buffers (optim/_fused.cc): no copy after the step, and no fresh buffer whose pages are faulted in on
+    every step."""
+    return [tuple((x,) * len(m) for x, m in zip(new, mj)) for new, mj in zip(new_params, ms)]
 
 
 def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
@@ -370,10 +371,8 @@ def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
     ref, (hypers, treedef) = weakref.ref(prog), jax.tree_util.tree_flatten(rule)
 
     def xla(hypers, stacks, packs, xs, gs, parts, ms):
-        prog = ref()
-        new_stacks, new_params, written = _rule_step(prog, treedef.unflatten(hypers), js, stacks, packs, xs, gs)
-        mirrors = {a: m for j, mj in zip(js, ms) for a, m in zip(prog.stack_plan[j][2], mj)}
-        return new_stacks, new_params, written, _mirrors(prog, js, new_params, mirrors)
+        new_stacks, new_params, written = _rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs, gs)
+        return new_stacks, new_params, written, _mirrors(new_params, ms)
 
     @jax.custom_jvp
     def cpu(hypers, stacks, packs, xs, gs, parts, ms):
