@@ -282,8 +282,9 @@ def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def reads_nothing(fn: Callable, x: jax.Array) -> bool:
-    """Whether `fn(x)`'s outputs depend only on x's shape and dtype, not its values."""
+def reads_nothing(fn: Callable, x: Any) -> bool:
+    """Whether `fn(x)`'s outputs depend only on x's shape and dtype, not its values (`x` may be a
+    `jax.ShapeDtypeStruct`: traced, nothing is allocated)."""
     return _reads_nothing(jax.make_jaxpr(fn)(x).jaxpr)
 
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._adjust import select
+from ._program import flatten_like
 from ._stack import init_stack, reads_nothing
 from ._state import Layout, PathError, State, unwrap
 from ._tree import PyTree, key_name, show
-from ._program import flatten_like
 
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
@@ -37,7 +37,7 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
     for u in sorted(set(chosen)):
         p = lay.params[u]
         rule = unwrap(state.rules[p.rule])
-        if leaves is None and not reads_nothing(rule.init, jnp.zeros(p.shape, p.dtype)):
+        if leaves is None and not reads_nothing(rule.init, jax.ShapeDtypeStruct(p.shape, p.dtype)):
             raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
                              "value; pass model=")
         x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)
