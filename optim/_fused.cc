@@ -222,53 +222,48 @@ constexpr int64_t kChunk = 1 << 16;   // elements per task: ~1 MB of traffic, fa
 
 using Scalars = ffi::Buffer<ffi::F32, 2>;
 
-ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
-                  ffi::Span<const int64_t> parts, ffi::Span<const int64_t> mirrors) {
-  auto fail = [](const char* what) {
-    ffi::Promise p;
-    ffi::Future f(p);
-    p.SetError(ffi::Error::InvalidArgument(what));
-    return f;
-  };
-  if (kind < kAdam || kind > kDescent) return fail("optim_fused: unknown kind");
+// Checks the call's operands against its attributes and fills `w` (pointers, sizes) and `bf16` (whether the
+// parameters, the first and the second state arrays are bfloat16) and `set_rows` (rows of each state stack).
+// Returns nullptr, or what is wrong.
+const char* Read(Work& w, bool bf16[3], std::vector<int64_t>& set_rows, Scalars scalars,
+                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, int64_t kind,
+                 ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows, ffi::Span<const int64_t> parts,
+                 ffi::Span<const int64_t> mirrors) {
+  if (kind < kAdam || kind > kDescent) return "optim_fused: unknown kind";
   const int64_t ns = StateCount(kind), k = int64_t(rows.size());
   int64_t ngrads = 0, nmirrors = 0;
   for (int64_t r = 0; r < int64_t(parts.size()); ++r) {
-    if (parts[r] < 1 || parts[r] > 2) return fail("optim_fused: a member has 1 or 2 gradient arrays");
+    if (parts[r] < 1 || parts[r] > 2) return "optim_fused: a member has 1 or 2 gradient arrays";
     ngrads += parts[r];
   }
   for (int64_t r = 0; r < int64_t(mirrors.size()); ++r) {
-    if (mirrors[r] < 0) return fail("optim_fused: a negative number of mirrors");
+    if (mirrors[r] < 0) return "optim_fused: a negative number of mirrors";
     nmirrors += mirrors[r];
   }
   const int64_t nstate = int64_t(args.size()) - k - ngrads - nmirrors;
   if (k == 0 || int64_t(sets.size()) != k || int64_t(parts.size()) != k || int64_t(mirrors.size()) != k ||
       nstate < 0 || (ns == 0 ? nstate != 0 : nstate % ns != 0) || int64_t(rets.size()) != nstate + k + nmirrors)
-    return fail("optim_fused: wrong number of operands");
+    return "optim_fused: wrong number of operands";
   if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != 8)
-    return fail("optim_fused: scalars must be (members, 8)");
-  auto w = std::make_shared<Work>();
-  w->kind = kind;
-  w->ns = ns;
-  w->scalars = scalars.typed_data();
-  w->rows.assign(rows.begin(), rows.end());
-  w->sets.assign(sets.begin(), sets.end());
-  bool bf16[3] = {false, false, false};
-  std::vector<int64_t> set_rows;
+    return "optim_fused: scalars must be (members, 8)";
+  w.kind = kind;
+  w.ns = ns;
+  w.scalars = scalars.typed_data();
+  w.rows.assign(rows.begin(), rows.end());
+  w.sets.assign(sets.begin(), sets.end());
   for (int64_t j = 0; j < nstate; ++j) {
     auto in = args.get<ffi::AnyBuffer>(j);
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (!in.has_value() || !out.has_value() || !IsFloat(in->element_type()) ||
         (j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + j % ns]))
-      return fail("optim_fused: state stacks must be float32 or bfloat16, alike across sets");
-    w->state_in.push_back(in->untyped_data());
-    w->state_out.push_back((*out)->untyped_data());
+      return "optim_fused: state stacks must be float32 or bfloat16, alike across sets";
+    w.state_in.push_back(in->untyped_data());
+    w.state_out.push_back((*out)->untyped_data());
     if (j < ns) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
     auto d = in->dimensions();
     set_rows.push_back(d.size() == 0 ? 1 : d[0]);
   }
-  w->n = 0;
+  w.n = 0;
   for (int64_t r = 0, at = nstate + k; r < k; at += parts[r], ++r) {
     auto x = args.get<ffi::AnyBuffer>(nstate + r);
     auto g = args.get<ffi::AnyBuffer>(at);
@@ -277,72 +272,82 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
     if (!x.has_value() || !g.has_value() || !g2.has_value() || !out.has_value() || !IsFloat(x->element_type()) ||
         g->element_type() != x->element_type() || g2->element_type() != x->element_type() ||
         (r > 0 && (x->element_type() == ffi::DataType::BF16) != bf16[0]))
-      return fail("optim_fused: parameters and gradients must share one float32 or bfloat16 dtype");
+      return "optim_fused: parameters and gradients must share one float32 or bfloat16 dtype";
     const int64_t n = int64_t(x->element_count());
     if (r == 0) {
-      w->n = n;
+      w.n = n;
       bf16[0] = x->element_type() == ffi::DataType::BF16;
     }
-    if (n != w->n || int64_t(g->element_count()) != n || int64_t(g2->element_count()) != n)
-      return fail("optim_fused: members differ in size");
+    if (n != w.n || int64_t(g->element_count()) != n || int64_t(g2->element_count()) != n)
+      return "optim_fused: members differ in size";
     if (ns > 0) {
-      if (sets[r] < 0 || (sets[r] + 1) * ns > nstate || rows[r] < 0) return fail("optim_fused: bad set or row");
+      if (sets[r] < 0 || (sets[r] + 1) * ns > nstate || rows[r] < 0) return "optim_fused: bad set or row";
       for (int64_t j = 0; j < ns; ++j) {
         auto st = args.get<ffi::AnyBuffer>(sets[r] * ns + j);
         if (rows[r] >= set_rows[sets[r] * ns + j] || int64_t(st->element_count()) != set_rows[sets[r] * ns + j] * n)
-          return fail("optim_fused: a state stack is not (rows, parameter size)");
+          return "optim_fused: a state stack is not (rows, parameter size)";
       }
     }
-    w->x_in.push_back(x->untyped_data());
-    w->x_out.push_back((*out)->untyped_data());
-    w->g.push_back(g->untyped_data());
-    w->g2.push_back(parts[r] == 2 ? g2->untyped_data() : nullptr);
+    w.x_in.push_back(x->untyped_data());
+    w.x_out.push_back((*out)->untyped_data());
+    w.g.push_back(g->untyped_data());
+    w.g2.push_back(parts[r] == 2 ? g2->untyped_data() : nullptr);
   }
-  w->elem_bytes = bf16[0] ? 2 : 4;
-  w->mirrors.resize(k);
+  w.elem_bytes = bf16[0] ? 2 : 4;
+  w.mirrors.resize(k);
   for (int64_t r = 0, at = nstate + k; r < k; ++r) {
     for (int64_t c = 0; c < mirrors[r]; ++c, ++at) {
       auto y = rets.get<ffi::AnyBuffer>(at);
       if (!y.has_value() || (*y)->element_type() != args.get<ffi::AnyBuffer>(nstate + r)->element_type() ||
-          int64_t((*y)->element_count()) != w->n)
-        return fail("optim_fused: a mirror is not like its member");
-      w->mirrors[r].push_back((*y)->untyped_data());
+          int64_t((*y)->element_count()) != w.n)
+        return "optim_fused: a mirror is not like its member";
+      w.mirrors[r].push_back((*y)->untyped_data());
     }
   }
-  // Not aliased (a call that does not donate), the new state is written beside the old: the rows that do not
-  // step are copied over, the others are written by the loop (one pass, not a copy and then a pass).
-  for (int64_t j = 0; j < nstate; ++j) {
-    if (w->state_out[j] == w->state_in[j]) continue;
+  return nullptr;
+}
+
+// Not aliased (a call that does not donate), the new state is written beside the old: the rows that do not
+// step are copied over, the others are written by the loop (one pass, not a copy and then a pass).
+void CopyIdleRows(const Work& w, const std::vector<int64_t>& set_rows, const ffi::RemainingArgs& args) {
+  for (int64_t j = 0; j < int64_t(w.state_in.size()); ++j) {
+    if (w.state_out[j] == w.state_in[j]) continue;
     const int64_t row_bytes = int64_t(args.get<ffi::AnyBuffer>(j)->size_bytes()) / set_rows[j];
     std::vector<char> steps(set_rows[j], 0);
-    for (int64_t r = 0; r < k; ++r)
-      if (sets[r] == j / ns) steps[rows[r]] = 1;
+    for (int64_t r = 0; r < int64_t(w.rows.size()); ++r)
+      if (w.sets[r] == j / w.ns) steps[w.rows[r]] = 1;
     for (int64_t row = 0; row < set_rows[j]; ++row)
       if (!steps[row])
-        std::memcpy(static_cast<char*>(w->state_out[j]) + row * row_bytes,
-                    static_cast<const char*>(w->state_in[j]) + row * row_bytes, row_bytes);
+        std::memcpy(static_cast<char*>(w.state_out[j]) + row * row_bytes,
+                    static_cast<const char*>(w.state_in[j]) + row * row_bytes, row_bytes);
   }
-  // In place when every output is its operand (XLA aliased them), beside when none is; a mix (which `update`
-  // never asks for) is made in place by copying the operands over first.
+}
+
+// Whether to run in place: when every output is its operand (XLA aliased them); beside when none is. A mix
+// (which `update` never asks for) is made in place by copying the operands over first.
+bool InPlace(Work& w, const ffi::RemainingArgs& args) {
+  const int64_t nstate = int64_t(w.state_in.size()), k = int64_t(w.x_in.size());
   bool same = true, apart = true;
-  for (int64_t j = 0; j < nstate; ++j) (w->state_out[j] == w->state_in[j] ? apart : same) = false;
-  for (int64_t r = 0; r < k; ++r) (w->x_out[r] == w->x_in[r] ? apart : same) = false;
-  if (!same && !apart) {
-    for (int64_t j = 0; j < nstate; ++j)
-      if (w->state_out[j] != w->state_in[j]) {
-        std::memcpy(w->state_out[j], w->state_in[j], args.get<ffi::AnyBuffer>(j)->size_bytes());
-        w->state_in[j] = w->state_out[j];
-      }
-    for (int64_t r = 0; r < k; ++r)
-      if (w->x_out[r] != w->x_in[r]) {
-        std::memcpy(w->x_out[r], w->x_in[r], args.get<ffi::AnyBuffer>(nstate + r)->size_bytes());
-        w->x_in[r] = w->x_out[r];
-      }
-    same = true;
-  }
-  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false, same),
-                         Pick(kind, bf16[0], bf16[1], bf16[2], true, same)};
-  const int64_t total = k * w->n;
+  for (int64_t j = 0; j < nstate; ++j) (w.state_out[j] == w.state_in[j] ? apart : same) = false;
+  for (int64_t r = 0; r < k; ++r) (w.x_out[r] == w.x_in[r] ? apart : same) = false;
+  if (same || apart) return same;
+  for (int64_t j = 0; j < nstate; ++j)
+    if (w.state_out[j] != w.state_in[j]) {
+      std::memcpy(w.state_out[j], w.state_in[j], args.get<ffi::AnyBuffer>(j)->size_bytes());
+      w.state_in[j] = w.state_out[j];
+    }
+  for (int64_t r = 0; r < k; ++r)
+    if (w.x_out[r] != w.x_in[r]) {
+      std::memcpy(w.x_out[r], w.x_in[r], args.get<ffi::AnyBuffer>(nstate + r)->size_bytes());
+      w.x_in[r] = w.x_out[r];
+    }
+  return true;
+}
+
+// Runs the members' elements in `tasks` equal ranges: tasks - 1 on the pool and one here; the last to finish
+// completes the returned future (no thread waits for another).
+ffi::Future Launch(ffi::ThreadPool& pool, std::shared_ptr<Work> w, const Runner run[2]) {
+  const int64_t total = int64_t(w->x_in.size()) * w->n;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tasks = std::min<int64_t>(threads, (total + kChunk - 1) / kChunk);
   ffi::Promise done;
@@ -352,7 +357,6 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
     done.SetAvailable();
     return future;
   }
-  // `tasks` equal ranges: tasks - 1 on the pool and one here; the last to finish completes the future.
   ffi::CountDownPromise count(done, tasks);
   for (int64_t t = 1; t < tasks; ++t) {
     const int64_t lo = total * t / tasks, hi = total * (t + 1) / tasks;
@@ -365,6 +369,25 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   RunRange(*w, run, 0, total / tasks);
   count.CountDown();
   return future;
+}
+
+ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
+                  ffi::Span<const int64_t> parts, ffi::Span<const int64_t> mirrors) {
+  auto w = std::make_shared<Work>();
+  bool bf16[3] = {false, false, false};
+  std::vector<int64_t> set_rows;
+  if (const char* wrong = Read(*w, bf16, set_rows, scalars, args, rets, kind, sets, rows, parts, mirrors)) {
+    ffi::Promise p;
+    ffi::Future f(p);
+    p.SetError(ffi::Error::InvalidArgument(wrong));
+    return f;
+  }
+  CopyIdleRows(*w, set_rows, args);
+  const bool same = InPlace(*w, args);
+  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false, same),
+                         Pick(kind, bf16[0], bf16[1], bf16[2], true, same)};
+  return Launch(pool, w, run);
 }
 
 }  // namespace
