@@ -22,11 +22,7 @@ optax on `optim.destructure(model)`'s flat vector, which holds each tied array o
 `optax.clip(1.0)`) would climb the loss. Such a transformation is refused unless declared with
 `gradient_like=True`, which makes the step `+updates`: a stage of an optim chain.
 
-`to_optax(rule)` is `init(params) = optim.setup(rule, params)` and `update(grads, state, params)` = one
-`optim.update`, returning `new_params - params` as the updates, so `optax.apply_updates` gives optim's result.
-Ties are found by identity in `init` (call it outside `jit`, as optax loops do) and kept in the state's static
-tie map, so the update is tie-correct inside the user's `jax.jit` too. Flax NNX Variables given to `init` (what
-`nnx.Optimizer` passes) count as their values; one Variable object at several positions is one tied parameter.
+`to_optax(rule)`, the other way, is in `optim/_to_optax.py` (imported here).
 """
 
 from __future__ import annotations
@@ -45,10 +41,8 @@ from ._cache import LRU, memoize
 from ._optax_probe import cross_leaf, update_orientation
 from ._step import Rule
 from ._schedules import Schedule
-from ._setup import setup
 from ._state import State
-from ._tree import PyTree, fmt_value, is_trainable, replace_fields
-from ._update import update
+from ._tree import fmt_value, replace_fields
 
 __all__ = ["from_optax", "to_optax", "with_extra_args", "FromOptax", "WholeTreeError"]
 
@@ -516,111 +510,5 @@ def with_extra_args(state: State, **extra_args: Any) -> State:
 
 
 # ------------------------------------------------------------------------------------------ to_optax
-def _delta(new: Any, old: Any) -> Any:
-    if is_trainable(old):
-        return new - old
-    if isinstance(old, (jax.Array, np.ndarray)) and jnp.issubdtype(old.dtype, jnp.number):
-        return jnp.zeros_like(old)
-    if isinstance(old, (int, float, complex, np.number)) and not isinstance(old, bool):
-        return type(old)(0)
-    return None
-
-
-def _nnx_variable_type() -> type | None:
-    """`flax.nnx.Variable` if flax's NNX is already imported (no Variable can exist otherwise), else None."""
-    import sys
-
-    mod = sys.modules.get("flax.nnx")
-    return getattr(mod, "Variable", None) if mod is not None else None
-
-
-def _unwrap_variables(params: PyTree) -> PyTree:
-    """`params` with every Flax NNX `Variable` (`nnx.Param`, ...) replaced by its value, as `nnx.as_pure` does.
-
-    `nnx.Optimizer` calls `tx.init(nnx.state(model, wrt))`: a `nnx.State` of Variables, whose pytree node is the
-    Variable (key `value`), while `tx.update` gets `nnx.as_pure` trees of plain arrays. Unwrapped, both have the
-    same structure and paths. One Variable object at several positions (a shared parameter, in a tree built by
-    hand; `nnx.state` in graph mode already lists a shared Variable once) is read once, so its positions hold one
-    array object and `setup` ties them."""
-    variable = _nnx_variable_type()
-    if variable is None:
-        return params
-    from flax.nnx import variablelib
-
-    is_ref = getattr(variablelib, "is_array_ref", lambda x: False)
-    wrapped = lambda x: isinstance(x, variable) or is_ref(x)
-    if not any(wrapped(x) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, variable))):
-        return params                         # nothing of nnx's: the tree itself, untouched
-    seen: dict[int, tuple[Any, Any]] = {}     # id(Variable or ref) -> (the object, kept alive; its value)
-
-    def value(x: Any) -> Any:
-        if not wrapped(x):
-            return x
-        if id(x) not in seen:
-            if isinstance(x, variable):            # its raw value, as nnx.as_pure reads it (no get-hooks)
-                raw = x.get_raw_value() if hasattr(x, "get_raw_value") else x.raw_value
-                v = _unwrap_variables(raw)
-            else:                                  # a mutable array reference: its current value
-                v = x[...]
-            seen[id(x)] = (x, v)
-        return seen[id(x)][1]
-
-    return jax.tree.map(value, params, is_leaf=lambda x: isinstance(x, variable))
-
-
-def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
-    """An `optax.GradientTransformationExtraArgs` that runs the optim `rule`, for an existing optax loop:
-
-        tx = optim.to_optax(optim.Adam(1e-3))      # or optim.to_optax(optim.from_optax(optax.adam(1e-3)))
-        opt_state = tx.init(params)                # outside jit: finds ties by object identity
-        updates, opt_state = tx.update(grads, opt_state, params)   # inside your jax.jit as usual
-        params = optax.apply_updates(params, updates)
-
-    `init(params)` is `optim.setup(rule, params, ties=ties)`; `update(grads, state, params)` is one
-    `optim.update` and returns `new_params - params` as the updates (`params` is required), so the tied
-    positions get one update from the summed gradient and stay equal; `optax.apply_updates` reproduces optim's
-    new values up to the rounding of that difference. The optax state is optim's `State` (inspect it with
-    `state[path]`, change it with `optim.adjust` / `freeze`). Non-trainable leaves get a zero update (`None` for
-    non-numbers). Keyword extra arguments go to the `from_optax` rules inside `rule` for that call (names in
-    their `tree_args` as per-parameter trees); other transformations ignore them, as in optax.
-    Use it as the whole optimiser or the last stage of an `optax.chain`: its output is a parameter change.
-
-    Flax NNX: `nnx.Optimizer(model, optim.to_optax(rule), wrt=nnx.Param)` and `optimizer.update(model, grads)`
-    work as with any optax transformation. `init` takes Variables (`nnx.Param`, a `nnx.State` of them) as their
-    values, with the paths `tx.update` later sees in `nnx.as_pure` trees (`l1.kernel`, no `.value`). A Variable
-    shared by two modules is one parameter: `nnx.state` lists it once (and `nnx.grad` sums its uses); one Variable
-    object at several positions of a tree given to `init` is a tie, like a repeated array.
-    """
-    optax = _optax()
-    if not (callable(getattr(rule, "init", None)) and callable(getattr(rule, "apply", None))) and not callable(rule):
-        raise TypeError(f"to_optax: {rule!r} is not an optim rule (it needs init and apply)")
-
-    def init_fn(params: PyTree) -> State:
-        return setup(rule, _unwrap_variables(params), ties=ties)
-
-    def update_fn(updates: PyTree, state: State, params: PyTree | None = None, **extra: Any):
-        if params is None:
-            raise ValueError("to_optax: update needs params (optim rules step from the parameter values): "
-                             "tx.update(grads, opt_state, params)")
-        if not isinstance(state, State):
-            raise TypeError(f"to_optax: expected the state from this transformation's init, got "
-                            f"{type(state).__name__}")
-        inner = _from_optax_rules(state.rules)
-        names: tuple = ()
-        for r in inner:
-            if r.tree_args and names and r.tree_args != names:
-                raise ValueError(f"to_optax: from_optax rules in one state take different tree_args "
-                                 f"({names!r} and {r.tree_args!r})")
-            names = r.tree_args or names
-        trees = []
-        for n in names:
-            if n not in extra:
-                raise TypeError(f"to_optax: update needs the per-parameter tree {n}= (a from_optax tree_args entry)")
-            trees.append(extra.pop(n))
-        run = with_extra_args(state, **extra) if extra and inner else state
-        new_state, new_params = update(run, params, updates, *trees)
-        # Extra arguments are for this call only: keep the state's structure (and a scan's carry) unchanged.
-        new_state = new_state.replace(rules=state.rules)
-        return jax.tree.map(_delta, new_params, params, is_leaf=lambda v: v is None), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+# `to_optax` lives in its own module, which uses the helpers above; imported here, where `optim` finds it.
+from ._to_optax import to_optax  # noqa: E402

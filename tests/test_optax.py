@@ -560,3 +560,211 @@ def test_to_optax_init_unwraps_variables_and_ties_a_repeated_variable():
     close(new["a"], ref["a"], atol=1e-7)
     np.testing.assert_array_equal(new["a"], new["b"])
     assert int(new["n"]) == 2
+
+
+# ----------------------------------------------------------------------------------------- to_optax in optax's protocol
+def _abs_sq(z):
+    return (z.conj() * z).real
+
+
+def _parabola(dtype):
+    """optax's `alias_test._setup_parabola`."""
+    start = jnp.array([-1.0, 10.0, 1.0], dtype=dtype)
+    target = jnp.array([1.0, -1.0, 1.0], dtype=dtype) * (1 + 1j if jnp.iscomplexobj(start) else 1)
+    return start, target, lambda p: jnp.sum(_abs_sq(p - target))
+
+
+def _rosenbrock(dtype):
+    """optax's `alias_test._setup_rosenbrock`."""
+    a, b = (1.0 + 1.0j if jnp.iscomplexobj(jnp.zeros((), dtype)) else 1.0), 100.0
+    return (jnp.array([0.0, 0.0], dtype=dtype), jnp.array([a, a ** 2], dtype=dtype),
+            lambda p: _abs_sq(a - p[0]) + b * _abs_sq(p[1] - p[0] ** 2))
+
+
+def _optax_test_loop(opt, start, objective, steps):
+    """The loop of optax's `alias_test.test_optimization`, which conjugates complex gradients itself; every
+    iterate."""
+    @jax.jit
+    def step(params, state):
+        updates = jax.grad(objective)(params)
+        updates = jax.tree.map(lambda x: x.conj(), updates)
+        updates, state = opt.update(updates, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = start, opt.init(start)
+    state = optax.tree.map_params(opt, lambda v: v, state)      # optax's no-op map_params subtest
+    out = []
+    for _ in range(steps):
+        params, state = step(params, state)
+        out.append(params)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("target", [_parabola, _rosenbrock])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_to_optax_converges_in_optax_test_optimization_loop_like_optax_adam(target, dtype):
+    start, final, objective = target(dtype)
+    ours = _optax_test_loop(to_optax(optim.Adam(1e-1)), start, objective, 10000)
+    theirs = _optax_test_loop(optax.adam(1e-1), start, objective, 100)
+    # Step by step as optax.adam to rounding: optax rounds 1 - b2 from Python's 0.001, optim from
+    # float32(0.999), a relative 1.3e-5 in v (measured up to 3.7e-5 apart after 100 steps). Further on,
+    # Rosenbrock's valley amplifies rounding, so after that only where both end is compared (optax's tolerance).
+    close(ours[:100], theirs, rtol=1e-4, atol=1e-4)
+    close(ours[-1], final, rtol=3e-2, atol=3e-2)
+
+
+def test_to_optax_of_from_optax_matches_optax_on_complex_parameters():
+    start, _, objective = _parabola(jnp.complex64)
+    ours = _optax_test_loop(to_optax(from_optax(optax.adam(1e-1))), start, objective, 50)
+    theirs = _optax_test_loop(optax.adam(1e-1), start, objective, 50)
+    close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_to_optax_under_inject_hyperparams_steps_with_the_injected_value():
+    # optax's schedules/_inject_test.py test_overriding_hyperparam, with an optim rule inside
+    tx = optax.inject_hyperparams(lambda max_norm: to_optax(optim.ClipNorm(max_norm)))(0.1)
+    params = jnp.zeros((3, 5, 7))
+    state = tx.init(params)
+    update_fn = jax.jit(tx.update)
+    for i in range(5):
+        state.hyperparams["max_norm"] = i
+        updates, state = update_fn(jnp.ones_like(params), state, params)
+        assert np.isclose(jnp.linalg.norm(updates.ravel()), i, rtol=1e-6)
+
+    # a learning rate changed mid-run, against optax.inject_hyperparams(optax.adam) on the deduplicated tree
+    schedule = (0.05, 0.05, 0.2, 0.001)
+    tx = optax.inject_hyperparams(lambda learning_rate: to_optax(optim.Adam(learning_rate)))(0.05)
+    p = tied_model()
+    s = tx.init(p)
+    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(jax.grad(loss, allow_int=True)(p), s, p)))
+    ref_tx = optax.inject_hyperparams(optax.adam)(0.05)
+    r = dedup(tied_model())
+    rs = ref_tx.init(r)
+    for lr in schedule:
+        s.hyperparams["learning_rate"] = rs.hyperparams["learning_rate"] = lr
+        p, s = step(p, s)
+        full = {**tied_model(), "emb": r["emb"], "head": r["emb"], "b": r["b"]}
+        u, rs = ref_tx.update(summed(jax.grad(loss, allow_int=True)(full)), rs, r)
+        r = optax.apply_updates(r, u)
+    close(p["emb"], r["emb"], rtol=2e-5, atol=1e-6)
+    close(p["b"], r["b"], rtol=2e-5, atol=1e-6)
+    np.testing.assert_array_equal(p["emb"], p["head"])
+    # the inner state keeps the rule it was set up with: the injected value lives in the optax state
+    assert float(s.inner_state.rule.lr) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("form", ["by_path", "function"])
+def test_to_optax_under_inject_hyperparams_with_a_rule_per_leaf(form):
+    def make(lr):
+        if form == "by_path":
+            return to_optax(optim.by_path({"a*": optim.Descent(lr), "*": optim.Adam(0.1)}))
+        return to_optax(lambda path, x: optim.Descent(lr) if path.startswith("a") else optim.Adam(0.1))
+
+    m = {"a1": jnp.ones(2), "b1": jnp.ones(3)}
+    tx = optax.inject_hyperparams(make)(0.5)
+    s = tx.init(m)
+    s.hyperparams["lr"] = 2.0
+    u, s = jax.jit(tx.update)({"a1": jnp.ones(2), "b1": jnp.ones(3)}, s, m)
+    close(u["a1"], [-2.0, -2.0], atol=1e-7)            # the injected lr, in the Descent entry only
+    close(u["b1"], np.full(3, -0.1), atol=1e-6)        # Adam's first step: -lr * sign
+
+
+def test_to_optax_adjust_and_freeze_on_its_state_take_effect():
+    tx = to_optax(optim.Adam(0.05))
+    m0 = tied_model()
+    g = jax.grad(loss, allow_int=True)
+    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g(p), s, p)))
+    p, s = step(m0, tx.init(m0))
+    p, s = step(p, optim.adjust(s, lr=0.01))
+    p, s = step(p, optim.freeze(s, "b"))
+    assert float(s.rule.lr) == pytest.approx(0.01)
+    ref = optim.setup(optim.Adam(0.05), m0)
+    r = m0
+    ref, r = optim.update(ref, r, g(r))
+    ref, r = optim.update(optim.adjust(ref, lr=0.01), r, g(r))
+    ref, r = optim.update(optim.freeze(ref, "b"), r, g(r))
+    close(p["emb"], r["emb"], rtol=1e-5, atol=1e-7)
+    close(p["b"], r["b"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(p["head"], p["emb"])
+
+
+def test_to_optax_rebuilt_with_another_kind_of_rule_is_refused():
+    m = {"w": jnp.ones(2)}
+    state = to_optax(optim.Adam(0.1)).init(m)
+    with pytest.raises(ValueError, match="rule for 'w' is Descent.*set up with Adam"):
+        to_optax(optim.Descent(0.1)).update(m, state, m)
+
+
+def test_map_params_over_a_to_optax_state_maps_the_parameter_shaped_leaves():
+    tx = to_optax(optim.Adam(0.05))
+    p, s = optax_loop(tx, tied_model(), steps=2)
+    same = optax.tree.map_params(tx, lambda v: v, s)
+    assert jax.tree.structure(same) == jax.tree.structure(s)
+    out = optax.tree.map_params(tx, lambda v: jnp.full_like(v, 7.0), s)
+    assert jax.tree.structure(out) == jax.tree.structure(s)
+    for path in ("emb", "head", "b"):
+        mu, nu, bt = out[path].state
+        close(mu, np.full(mu.shape, 7.0), rtol=0, atol=0)
+        close(nu, np.full(nu.shape, 7.0), rtol=0, atol=0)
+        close(bt, s[path].state[2], rtol=0, atol=0)     # the beta powers: not parameter-shaped
+    assert int(out.step) == 2 and float(out.rule.lr) == pytest.approx(0.05)
+    # freeze gives the state a new layout (its static part): map_params follows the state stepped last
+    u, s = tx.update(jax.grad(loss, allow_int=True)(p), optim.freeze(s, "b"), p)
+    out = optax.tree.map_params(tx, lambda v: jnp.zeros_like(v), s)
+    assert jax.tree.structure(out) == jax.tree.structure(s) and out["b"].frozen
+    close(out["emb"].state[0], np.zeros((2, 3)), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="map_params needs the optimiser state's structure.*tx.init"):
+        optax.tree.map_params(to_optax(optim.Adam(0.05)), lambda v: v, s)
+
+
+def test_map_params_builds_shardings_for_a_to_optax_state_as_flax_does():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    # A stacked state array is (members, *parameter shape): shard the parameter's first axis, never the members'
+    moments, replicated = NamedSharding(mesh, P(None, "data")), NamedSharding(mesh, P())
+    tx = to_optax(optim.Adam(0.05))
+    params = tied_model()
+    state = tx.init(params)
+    shardings = optax.tree.map_params(tx, lambda _: moments, state, transform_non_params=lambda _: replicated)
+    assert jax.tree.structure(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)) == \
+        jax.tree.structure(state)
+    placed = jax.device_put(state, shardings)
+    given = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    assert [a.sharding for a in jax.tree.leaves(placed)] == given
+    assert given.count(moments) == 4          # m and v of the two stacks: the (2, 3) tie and the (3,) bias
+    out, _ = optax_loop(tx, params, steps=3)
+    p = params
+    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(jax.grad(loss, allow_int=True)(p), s, p)), out_shardings=(None, shardings))
+    for _ in range(3):
+        p, placed = step(p, placed)
+    close(p["emb"], out["emb"], rtol=1e-6, atol=1e-7)      # another compiled program: an ulp may differ
+    assert [a.sharding for a in jax.tree.leaves(placed)] == given
+
+
+def _partition_params():
+    """The tree of optax's `PartitionTest.test_partition` (as vectors), labelled by the first letter of its key."""
+    params = {"a1": jnp.array([1.0, -1.0]), "b1": jnp.array([2.0, 0.5]),
+              "z1": {"a2": jnp.array([3.0, 1.0]), "z2": {"c1": jnp.array([4.0, -2.0])}}}
+    labels = {"a1": "adam", "b1": "sgd", "z1": {"a2": "adam", "z2": {"c1": "sgd"}}}
+    return params, labels
+
+
+def test_to_optax_takes_a_by_path_table_like_optax_multi_transform():
+    params, labels = _partition_params()
+    lossf = lambda p: sum(jnp.sum(jnp.sin(x) * x) for x in jax.tree.leaves(p))
+    rule = optim.by_path({"*a[0-9]": optim.Adam(0.1), "*": optim.Descent(0.05)})
+    ours, s = optax_loop(to_optax(rule), params, steps=4, grad_fn=jax.grad(lossf))
+    theirs, _ = optax_loop(optax.multi_transform({"adam": optax.adam(0.1), "sgd": optax.sgd(0.05)}, labels),
+                           params, steps=4, grad_fn=jax.grad(lossf))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        close(a, b, rtol=2e-5, atol=1e-6)
+    assert {p: type(leaf.rule).__name__ for p, leaf in s.items()} == {
+        "a1": "Adam", "b1": "Descent", "z1.a2": "Adam", "z1.z2.c1": "Descent"}
+    # and a rule function, as setup takes it
+    fn = lambda path, x: optim.Adam(0.1) if path.split(".")[-1].startswith("a") else optim.Descent(0.05)
+    ours_fn, _ = optax_loop(to_optax(fn), params, steps=4, grad_fn=jax.grad(lossf))
+    for a, b in zip(jax.tree.leaves(ours_fn), jax.tree.leaves(ours)):
+        close(a, b, rtol=0, atol=0)
