@@ -10,6 +10,7 @@
 (Array([0.8, 1.8], dtype=float32), True)
 """
 
+from . import _fused  # noqa: F401  (registers the fused CPU kernel with the engine: optim._strategies)
 from ._adafactor import Adafactor
 from ._adjust import adjust, freeze, thaw
 from ._average import EMA, averaged

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _hyper
 from ._moments import load, mu_zeros, StateDtypes
 from ._schedules import Hyper
 from ._step import Rule, abs2, compute_dtype, real_dtype, as_compute
@@ -59,7 +60,7 @@ class Adafactor(StateDtypes, Rule):
         factored: whether to factor the second moment of parameters with 2 or more axes, default True
             (structural).
         min_dim_size_to_factor: factor only when the second largest axis has at least this many entries,
-            default 128 (structural).
+            default 128, an integer >= 0 (structural).
         multiply_by_parameter_scale: scale the step by `max(ε₂, RMS(x))`, default True (structural).
         mu_dtype: storage dtype of the momentum `m`, default None (the parameter's dtype); structural.
 
@@ -72,9 +73,11 @@ class Adafactor(StateDtypes, Rule):
     Reference: N. Shazeer, M. Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018,
     arXiv:1804.04235.
 
-    optax: `Adafactor(η)` is `optax.adafactor(η)`: same defaults, factoring and formulas, optax's
-    `weight_decay_rate` is `weight_decay`, its `dtype_momentum` (float32 by default) is `mu_dtype`. optax counts
-    steps once for the whole tree, here per parameter (the same unless some parameter skips a step).
+    optax: `Adafactor(η)` is `optax.adafactor(η)`: the same factoring, formulas and defaults but one, the
+    learning rate: optax's default `learning_rate=None` applies none (a factor of 1, so `optax.adafactor()` is
+    `Adafactor(1.0)`), where η defaults to 0.01 here. optax's `weight_decay_rate` is `weight_decay`, its
+    `dtype_momentum` (float32 by default) is `mu_dtype`. optax counts steps once for the whole tree, here per
+    parameter (the same unless some parameter skips a step).
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.full((256, 128), 0.5)
@@ -99,9 +102,16 @@ class Adafactor(StateDtypes, Rule):
     multiply_by_parameter_scale: bool = True
     mu_dtype: Any = None
     _static = ("factored", "min_dim_size_to_factor", "multiply_by_parameter_scale", "mu_dtype")
+    _flags = ("factored", "multiply_by_parameter_scale")
     _nonneg = ("lr", "decay_rate", "clipping_threshold", "weight_decay", "eps", "min_scale")
     _decay = ("momentum",)
     _steps = ("decay_offset",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "min_dim_size_to_factor",
+                           _hyper.whole("Adafactor", "min_dim_size_to_factor", self.min_dim_size_to_factor, 0,
+                                        "it is the length the second largest axis needs to be factored"))
 
     @classmethod
     def _checked(cls, name: str, v: Any) -> Any:

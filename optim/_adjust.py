@@ -8,17 +8,19 @@ steps), so `freeze` / `thaw` compile a new program once per combination.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._fused import wide_rules
-from ._step import Rule, is_rule
+from ._strategies import wide_rules
+from ._step import Rule, inner_fields, is_rule, looks_across
 from ._schedules import Schedule
 from ._hyper import canonical_numbers
 from ._state import Layout, PathError, State, unwrap, with_frozen
-from ._tree import replace_fields, show
+from ._tree import replace_fields, show, suggest_pattern
 
 def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them.
@@ -138,40 +140,12 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
     return state.regroup(layout, rules)
 
 
-def looks_across(rule: Any) -> str | None:
-    """The name of the first part of `rule` that looks across the parameters sharing it (`ClipGlobalNorm`,
-    `SkipNonFinite`, `SkipLargeUpdates`, a user rule with `apply_tree`), or None. Giving some of those parameters a
-    rule of their own would change what it computes for all of them."""
-    own = getattr(rule, "_across", None)
-    if own or (own is None and hasattr(rule, "apply_tree")):
-        return type(rule).__name__
-    for name in _inner(rule):
-        v = getattr(rule, name)
-        for r in v if isinstance(v, tuple) else (v,):
-            found = looks_across(r)
-            if found:
-                return found
-    return None
-
-
-def _inner(rule: Any) -> list[str]:
-    """The fields of `rule` that hold rules (`SkipNonFinite.rule`, `OptimiserChain.rules`): adjust goes inside."""
-    if not dataclasses.is_dataclass(rule):
-        return []
-    out = []
-    for f in dataclasses.fields(rule):
-        v = getattr(rule, f.name)
-        if is_rule(v) or (isinstance(v, tuple) and v and all(map(is_rule, v))):
-            out.append(f.name)
-    return out
-
-
 def _fields(rules) -> set[str]:
     out = set()
     for r in rules:
         if dataclasses.is_dataclass(r):
             out |= {f.name for f in dataclasses.fields(r) if f.name not in getattr(r, "_static", ())}
-            for name in _inner(r):
+            for name in inner_fields(r):
                 v = getattr(r, name)
                 out |= _fields(v if isinstance(v, tuple) else (v,))
     return out
@@ -197,7 +171,7 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
     if not dataclasses.is_dataclass(rule):
         return rule
     names = {f.name for f in dataclasses.fields(rule)}
-    inner = _inner(rule)
+    inner = inner_fields(rule)
     changes = {}
     for k, v in hyper.items():
         if k not in names:
@@ -214,6 +188,8 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
             if (v is None) != (old is None):   # an optional part of the rule (Adafactor's momentum) on or off
                 raise ValueError(f"adjust: {type(rule).__name__}.{k}: between None and a number is structural "
                                  f"(it changes the state or the program); call optim.setup again with the new rule")
+        if k not in inner:
+            _check_shape(type(rule).__name__, k, v, getattr(rule, k))
         changes[k] = v
     for k in inner:   # inside wrapped rules, unless the wrapped rule itself is being replaced
         if k not in changes:
@@ -227,6 +203,28 @@ def _adjust_rule(rule: Any, hyper: dict, used: set) -> Any:
     if not changes:
         return rule
     return _swap(rule, changes)
+
+
+def _check_shape(owner: str, name: str, new: Any, old: Any) -> None:
+    """A new value takes the old one's place in the state, keeping its shape (so that a jitted step never
+    retraces): a scalar hyperparameter gets one number (or a schedule). Checked for every field, also those of
+    rules whose constructor does not check them, and for traced values (their shape is known)."""
+    if isinstance(old, tuple) and isinstance(new, (tuple, list)):
+        for k, (n, o) in enumerate(zip(new, old)):
+            _check_shape(owner, f"{name}[{k}]", n, o)
+        return
+    if not isinstance(old, jax.Array) or is_rule(new) or isinstance(new, Schedule):
+        return
+    try:
+        shape = np.shape(new)
+    except Exception:  # noqa: BLE001 (not array-like: the conversion below says what it is)
+        return
+    if math.prod(shape) != old.size:
+        what = "a scalar" if old.ndim == 0 else f"of shape {tuple(old.shape)}"
+        raise ValueError(f"adjust: {owner}.{name} is {what} but the new value is an array of shape {shape}: a "
+                         "hyperparameter is one number (or an optim schedule, for one that changes with the step) "
+                         "and keeps its shape in the state; give parameters different values with "
+                         "adjust(state, pattern, ...)")
 
 
 def _check_same_states(lay: Any, pairs: list) -> None:
@@ -282,7 +280,8 @@ def select(state: State, patterns: tuple[str, ...], who: str) -> list[int]:
             raise TypeError(f"{who}: patterns are dotted-path strings, got {type(pat).__name__}")
         found = state.layout.match(pat)
         if not found:
-            raise PathError(f"{who}: {pat!r} matches no trainable path of the model "
-                            f"(paths look like {', '.join(repr(p) for p in state.paths()[:3])})")
+            raise PathError(f"{who}: {pat!r} matches no trainable path of the model"
+                            + (suggest_pattern(pat, state.paths())
+                               or f" (paths look like {', '.join(repr(p) for p in state.paths()[:3])})"))
         hits += found
     return hits

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._export import register_for_export
 from ._cache import memoize
 from ._schedules import Hyper
 from ._stack import stack_arrays
@@ -20,6 +21,7 @@ from ._tree import PyTree
 __all__ = ["EMA", "averaged"]
 
 
+@register_for_export
 class EMAState(NamedTuple):
     inner: Any           # the wrapped rule's state
     average: Any         # the moving average of the parameter

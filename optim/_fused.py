@@ -7,15 +7,16 @@ custom call: per element it reads the parameter, its gradient and its state and 
 (every state and parameter input is aliased to its output; with `donate=True`, or buffers XLA owns inside a
 jit, nothing is copied), split into chunks on XLA's intra-op thread pool.
 
-`update` uses it (`step`) for a rule of one of those five exact types, alone or after a `ClipGlobalNorm` in a
+It is one of the engine's strategies (`Kernel`, registered with optim._strategies): `update` uses it for a rule
+whose own class declares one of those five formulas (`Rule._formula`), alone or after a `ClipGlobalNorm` in a
 two-stage chain (the clip factor scales the gradient inside the kernel), on parameters of float32 or bfloat16
 (states float32 or bfloat16), one gradient tree, scalar hyperparameters, and parameters that are not sharded
 over several devices (a sharded array would be gathered to run a custom call: XLA's own path is kept). It
 groups the stepping members of a rule's stacks by shape, at most `MAX_MEMBERS` per call. The rule's
 hyperparameters and Adam's bias corrections are computed by XLA and passed as one small `(members, 8)` array.
 
-CPU only: where the process has another backend, `update` wraps the choice in `lax.platform_dependent`, so a
-program lowered for GPU or TPU runs XLA's path (which fuses there) and only a CPU lowering runs the kernel.
+CPU only, chosen at lowering (optim._kernel_choice): a program lowered for GPU or TPU, or exported, runs XLA's
+path (which fuses there) and only a CPU lowering runs the kernel.
 
 The kernel is compiled at install (`setup.py`) and optional: without it (no compiler at install), or with the
 environment variable `OPTIM_FUSED=0` (read at import; `optim._fused.ENABLED` can also be set), `update` runs
@@ -28,19 +29,22 @@ import ctypes
 import glob
 import logging
 import os
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._pack import is_packed
-from ._rules import Adam, AdamW, Descent, Lion, Momentum
+from . import _xla as xla
+from ._kernel_choice import kernel_or_xla
+from ._pack import assemble, is_packed
 from ._stack import KERNEL_FLOATS, row_index, traced_sharded
-from ._step import as_compute, clip_factor, eps_of, real_dtype
-from ._wrappers import ClipGlobalNorm, OptimiserChain, joint_norm
+from ._step import as_compute, eps_of, formula_of
+from ._strategies import Strategy, register
+from ._wrappers import OptimiserChain
 
-__all__ = ["ENABLED", "AVAILABLE", "usable", "only_cpu", "step"]
+__all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "step"]
 
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
@@ -84,64 +88,103 @@ def only_cpu() -> bool:
 _ONLY_CPU: bool | None = None
 
 
-def _parts(rule: Any) -> tuple[Any, Any]:
+def _split(rule: Any) -> tuple[Any, Any]:
     """`(clip, rule)`: a two-stage `chain(ClipGlobalNorm, rule)` as its clip and its rule; else `(None, rule)`."""
-    if type(rule) is OptimiserChain and len(rule.rules) == 2 and type(rule.rules[0]) is ClipGlobalNorm:
+    if type(rule) is OptimiserChain and len(rule.rules) == 2 and formula_of(rule.rules[0]) == "clip":
         return rule.rules
     return None, rule
 
 
 def _kind(rule: Any) -> int | None:
-    t = type(rule)
-    if t is Adam:
-        return _ADAM
-    if t is AdamW:
+    """The kernel's kind for `rule`'s formula (see `Rule._formula`), or None where the kernel has none."""
+    formula = formula_of(rule)
+    if formula == "adamw":
         return _ADAMW_COUPLED if rule.couple else _ADAMW
-    return {Lion: _LION, Momentum: _MOMENTUM, Descent: _DESCENT}.get(t)
+    return _KINDS.get(formula)
 
 
-def wide_rules(rules: tuple) -> frozenset:
-    """The rules (indices into `rules`) that the kernel can run, when it runs in this process (enabled, loaded,
-    CPU only): `setup` and `adjust` stack their large parameters too (`optim._stack.make_stacks`)."""
-    from ._state import unwrap
-
-    if not (ENABLED and AVAILABLE) or not only_cpu():
-        return frozenset()
-    return frozenset(r for r, rule in enumerate(rules) if _kind(_parts(unwrap(rule))[1]) is not None)
+_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT}
 
 
 def _single_device(place: Any) -> bool:
     return place is None or len(getattr(place, "device_set", ())) == 1
 
 
-def usable(rule: Any, params: list, stored: list, sizes: list, n_trees: int) -> bool:
-    """Whether `update` can run `rule` on these stacks with the kernel. `params[i]`: the `Param` of stack `i`'s
-    first member (all members share shape, dtype and placement), `stored[i]` its stored state tree, `sizes[i]`
-    its number of members; `n_trees`: the number of gradient trees."""
-    if not (ENABLED and AVAILABLE) or n_trees != 1:
-        return False
-    kind = _kind(_parts(rule)[1])
-    if kind is None:
-        return False
-    try:
-        if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and traced_sharded(h) for h in jax.tree.leaves(rule)):
-            return False
-    except TypeError:
-        return False
-    for p, tree, n in zip(params, stored, sizes):
-        if jnp.dtype(p.dtype) not in KERNEL_FLOATS or p.state_place is not None or not _single_device(p.place):
-            return False
-        leaves = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)[0]
-        wide = [a for a in leaves if not is_packed(a)]
-        if kind in (_ADAM, _ADAMW_COUPLED, _ADAMW):
-            if len(leaves) != 3 or not is_packed(leaves[2]) or len(wide) != 2:
-                return False
-        elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
-            return False
-        for a in wide:
-            if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or traced_sharded(a):
-                return False
-    return True
+class Kernel(Strategy):
+    """The fused CPU kernel as one of the engine's strategies (optim._strategies)."""
+
+    name = "optim's fused CPU kernel"
+
+    def enabled(self) -> bool:
+        return ENABLED and AVAILABLE
+
+    def wide(self, rule: Any) -> bool:
+        # Only where it will run: a process with another backend keeps XLA's stacking (one parameter a stack).
+        return only_cpu() and _kind(_split(rule)[1]) is not None
+
+    def refuse(self, rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> str | None:
+        """Why the kernel cannot run `rule` on these stacks (None: it can). `firsts[i]`: the `Param` of stack
+        `i`'s first member (all members share shape, dtype and placement), `stored[i]` its stored state tree,
+        `sizes[i]` its number of members; `n_trees`: the number of gradient trees."""
+        if not self.enabled():
+            return "turned off (OPTIM_FUSED=0)" if AVAILABLE else WHY
+        if n_trees != 1:
+            return f"{n_trees} gradient trees"
+        kind = _kind(_split(rule)[1])
+        if kind is None:
+            return "it has no kernel for this rule (a kernel formula, alone or after ClipGlobalNorm)"
+        try:
+            hypers = jax.tree.leaves(rule)
+            if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and traced_sharded(h) for h in hypers):
+                return "a hyperparameter is not a scalar (or is sharded)"
+        except TypeError:
+            return "a hyperparameter is not a number"
+        for p, tree, n in zip(firsts, stored, sizes):
+            if jnp.dtype(p.dtype) not in KERNEL_FLOATS:
+                return f"a parameter of dtype {jnp.dtype(p.dtype).name}"
+            if p.state_place is not None or not _single_device(p.place):
+                return "a sharded parameter or state (a custom call would gather it)"
+            leaves = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)[0]
+            wide = [a for a in leaves if not is_packed(a)]
+            if kind in (_ADAM, _ADAMW_COUPLED, _ADAMW):
+                if len(leaves) != 3 or not is_packed(leaves[2]) or len(wide) != 2:
+                    return "a state of another structure"
+            elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
+                return "a state of another structure"
+            for a in wide:
+                if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS:
+                    return "a state array of another shape or dtype"
+                if traced_sharded(a):
+                    return "a sharded state array"
+        return None
+
+    def run(self, prog: Any, rule: Any, js: list, in_place: bool, stacks: list, packs: tuple, xs: list, gs: list,
+            parts: list, mirrors: list) -> tuple:
+        """The kernel's step of `rule`'s stepping stacks `js` where the program is lowered for CPU, XLA's path
+        elsewhere (optim._kernel_choice), both as `xla.rule_step` returns it plus the tied positions' new values
+        (`xla.mirrors`). The kernel reads each parameter's gradient parts (`parts`: it sums a tie's two parts in
+        its own pass), XLA's path the sums (`gs`). The hyperparameters are operands, as they may be what is
+        differentiated (a meta-gradient through `update` differentiates XLA's path)."""
+        hypers, treedef = jax.tree_util.tree_flatten(rule)
+        lay, ref = prog.layout, weakref.ref(prog)
+
+        # Kept by the traced program, as XLA's code to lower for other platforms: it reaches the Program through
+        # a weak reference (the Program keeps the traced program; see `optim._update._jitted`).
+        def on_xla(hypers, stacks, packs, xs, gs, parts, ms):
+            new_stacks, new_params, written = xla.rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs,
+                                                            gs)
+            return new_stacks, new_params, written, xla.mirrors(new_params, ms)
+
+        def on_kernel(hypers, stacks, packs, xs, gs, parts, ms):
+            new_stacks, new_params, written, new_ms = step(
+                treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
+                [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms)
+            return new_stacks, new_params, assemble(packs, written), new_ms
+
+        return kernel_or_xla(on_kernel, on_xla, hypers, stacks, packs, xs, gs, parts, mirrors)
+
+
+KERNEL = register(Kernel())
 
 
 def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool,
@@ -154,13 +197,11 @@ def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, p
     donates them; else XLA copies them first), or write them beside the old (for a call that keeps its inputs).
     Returns `(new stored trees, new parameters per stack, new pack rows [(group, leaf, rows of the pack,
     values)], new mirrors per stack)`, as `update`'s XLA path does."""
-    clip, rule = _parts(rule)
+    clip, rule = _split(rule)
     kind = _kind(rule)
     scale = jnp.ones((), jnp.float32)
-    if clip is not None:     # ClipGlobalNorm's factor, as its `apply_tree` computes it, over all these members
-        g0 = gs[0][0][0]
-        norm = joint_norm([sum(g[1:], g[0]) for member in gs for g in member])
-        scale = clip_factor(as_compute(clip.max_norm, g0), norm.astype(real_dtype(g0))).astype(jnp.float32)
+    if clip is not None:     # ClipGlobalNorm's factor over all these members, in float32 (see its `factor`)
+        scale = clip.factor([sum(g[1:], g[0]) for member in gs for g in member]).astype(jnp.float32)
     flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in stored]
     wides = [[a for a in leaves if not is_packed(a)] for leaves, _ in flat]
     # Members grouped by parameter shape, dtype and state dtypes: one call per group of at most MAX_MEMBERS.

@@ -17,29 +17,31 @@ fuse into the element loop. The result is exactly the step it came from, reorder
 
 Known arithmetic whose result is larger than `SMALL` numbers per parameter and depends on the state stays in the
 unknown part (it would otherwise be materialised per stack); so does anything with side effects. A rule whose jaxpr
-cannot be split (or a sharded computation, whose avals carry shardings) runs as before.
+cannot be split (or a sharded computation, whose avals carry shardings) runs as before, and the `optim` logger
+says why at debug level.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._adjust import looks_across
 from ._cache import LRU
 from ._pack import SMALL, fill, is_packed, split_rows
 from ._stack import row_index, take_rows, traced_sharded
-from ._step import apply_all
+from ._step import apply_all, looks_across
 from ._wrappers import OptimiserChain
 
 __all__ = ["step_stacks", "ENABLED"]
 
 # Off: every stack runs its rule as a whole, reading its packed rows (the reference the tests compare with).
 ENABLED = True
+_log = logging.getLogger("optim")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,6 +62,13 @@ _SPLITS = LRU(1024)
 def _aval(a: Any) -> jax.ShapeDtypeStruct:
     t = jax.typeof(a)
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+
+
+def _named(j: Any, part: str) -> Any:
+    """`j` with debug info of its own (JAX deprecates jaxprs without; the original's names no longer fit)."""
+    info = jax.extend.core.DebugInfo(f"optim hoist ({part})", "optim._hoist", tuple(f"in{i}" for i in range(
+        len(j.invars))), tuple(f"out{i}" for i in range(len(j.outvars))))
+    return j.replace(debug_info=info)
 
 
 def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list, x: Any, dxs: tuple,
@@ -85,10 +94,13 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
 
     try:
         closed = jax.make_jaxpr(stack_step)(*[_aval(a) for a in rule_leaves], *smalls, *wides, x, *dxs)
-    except Exception:      # let the ordinary path raise the rule's own error, with its context
+    except Exception as e:      # the ordinary path raises the rule's own error, with its context
+        _log.debug("optim: %s's step is not hoisted (it does not trace on abstract values: %r); each stack runs "
+                   "it whole", type(rule).__name__, e)
         return None
     j = closed.jaxpr
     if j.effects:
+        _log.debug("optim: %s's step is not hoisted (it has side effects)", type(rule).__name__)
         return None
     ins = j.invars
     known = set(ins[:n_rule + n_small]) | set(j.constvars)
@@ -113,9 +125,9 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
         if not isinstance(v, Literal) and v in known and v not in res and v not in j.constvars:
             res.append(v)
     known_outs = [v for v, k in zip(j.outvars, out_known) if k]
-    kj = j.replace(invars=list(ins[:n_rule + n_small]), outvars=known_outs + res, eqns=k_eqns, debug_info=None)
-    uj = j.replace(invars=res + list(ins[n_rule + n_small:]), eqns=u_eqns, debug_info=None,
-                   outvars=[v for v, k in zip(j.outvars, out_known) if not k])
+    kj = _named(j.replace(invars=list(ins[:n_rule + n_small]), outvars=known_outs + res, eqns=k_eqns), "per pack")
+    uj = _named(j.replace(invars=res + list(ins[n_rule + n_small:]), eqns=u_eqns,
+                          outvars=[v for v, k in zip(j.outvars, out_known) if not k]), "per stack")
     flags = tuple(not isinstance(v, Literal) and v in batched for v in known_outs + res)
     key = str(kj) + repr([id(c) for c in closed.consts])
     new_state = jax.tree_util.tree_unflatten(out_def[0], [0] * out_def[0].num_leaves)[0]
@@ -145,8 +157,10 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
     try:
         rule_avals = tuple(_aval(a) for a in rule_leaves)
     except TypeError:        # a rule that is not a pytree of numbers (a user's object): run it as it is
+        _log.debug("optim: %s's step is not hoisted (a hyperparameter is not a number)", type(rule).__name__)
         return results, []
     if any(traced_sharded(a) for a in rule_leaves):
+        _log.debug("optim: %s's step is not hoisted (a sharded hyperparameter)", type(rule).__name__)
         return results, []
     chunks: dict = {}        # (pack group, known part) -> [plan per stack]
     for i, tree in enumerate(stored):
@@ -158,6 +172,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         take = row_index(rows[i])
         wides = [a if m == sizes[i] else a[take] for a in leaves if not is_packed(a)]
         if any(traced_sharded(a) for a in wides + [xs[i], *dxs[i]]):
+            _log.debug("optim: %s's step is not hoisted on a sharded stack", type(rule).__name__)
             continue
         holders = [leaves[k] for k in small_at]
         group = holders[0].group

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _hyper
+from ._export import register_for_export
 from ._moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes
 from ._rules import AdamState
 from ._schedules import Hyper
@@ -41,6 +43,18 @@ def _newton_schulz(g: jax.Array, steps: int, eps: jax.Array) -> jax.Array:
     return x.T if tall else x
 
 
+def _whole(a: jax.Array) -> tuple[jax.Array, Any]:
+    """`a` replicated over its mesh when its sharding is part of its type and splits it (Explicit mesh axes:
+    ZeRO-1's sharded momentum, an FSDP parameter), and that sharding, to put the result back; else `(a, None)`.
+    Newton-Schulz's products `X Xᴴ` contract the axes such a sharding splits, which JAX refuses to type
+    ("contracting dimensions are sharded"): the whole matrix is orthogonalised on every device instead (with
+    Auto axes XLA chooses the same or its own partitioning)."""
+    s = getattr(jax.typeof(a), "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding) or s.mesh.empty or all(d is None for d in s.spec):
+        return a, None
+    return jax.sharding.reshard(a, jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())), s
+
+
 def _axes(v: Any) -> tuple[int, ...] | None:
     """An axis argument (an int, a sequence of ints, or None) as a tuple of ints, or None."""
     if v is None:
@@ -48,6 +62,7 @@ def _axes(v: Any) -> tuple[int, ...] | None:
     return (operator.index(v),) if not isinstance(v, (tuple, list)) else tuple(operator.index(a) for a in v)
 
 
+@register_for_export
 class MuonState(NamedTuple):
     mu: Any              # the momentum
     count: Any           # the parameter's number of steps, int32
@@ -80,7 +95,8 @@ class Muon(StateDtypes, Rule):
             None or a number is structural (it changes the program); the number is adjustable.
         nesterov: the Nesterov direction (else the bias-corrected momentum), default True (structural).
         adaptive: scale `O` by `⟨u, O⟩` (Bernstein & Newhouse's dual norm), default False (structural).
-        steps: number of Newton-Schulz iterations, default 5 (structural).
+        steps: number of Newton-Schulz iterations, default 5, an integer >= 1 (structural; 0 would skip the
+            orthogonalisation that makes it Muon).
         reduction_axis, output_axis: the matrix's axes, default 0 and None (every axis but the reduction
             ones); ints or tuples of ints, negative counting from the end (structural).
         mu_dtype: storage dtype of `m`, default None (the parameter's dtype); structural.
@@ -120,11 +136,14 @@ class Muon(StateDtypes, Rule):
     output_axis: Any = None
     mu_dtype: Any = None
     _static = ("nesterov", "adaptive", "steps", "reduction_axis", "output_axis", "mu_dtype")
+    _flags = ("nesterov", "adaptive")
     _nonneg = ("lr", "eps", "weight_decay", "consistent_rms")
     _unit = ("rho",)
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "steps", _hyper.whole("Muon", "steps", self.steps, 1,
+                                                       "with no iteration the momentum is not orthogonalised"))
         for name in ("reduction_axis", "output_axis"):
             try:
                 object.__setattr__(self, name, _axes(getattr(self, name)))
@@ -176,11 +195,14 @@ class Muon(StateDtypes, Rule):
         batch, red, out = self._matrix(x.shape)
         size = lambda axes: math.prod(x.shape[a] for a in axes)   # noqa: E731
         order = batch + red + out
+        u, split = _whole(u)
         o = u.transpose(order).reshape(size(batch), size(red), size(out))
         o = jax.vmap(lambda m: _newton_schulz(m, self.steps, c(self.eps)))(o)
         o = o.reshape(tuple(x.shape[a] for a in order)).transpose(np.argsort(order))
         if self.adaptive:
             o = jnp.sum(jnp.conj(u) * o) * o
+        if split is not None:      # back to the momentum's sharding: a local slice, no communication
+            o = jax.sharding.reshard(o, split)
         fan_in, fan_out = size(red), size(out)
         if self.consistent_rms is None:
             scale = max(1.0, fan_out / fan_in) ** 0.5
@@ -304,6 +326,7 @@ class Lars(Rule):
     eps: Hyper = 0.0
     nesterov: bool = False
     _static = ("nesterov",)
+    _flags = ("nesterov",)
     _nonneg = ("lr", "weight_decay", "trust_coefficient", "eps")
     _decay = ("rho",)
 

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._export import register_for_export
+
 __all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
            "replace_groups"]
 
@@ -46,6 +48,7 @@ class Packed:
 
 
 jax.tree_util.register_pytree_node(Packed, lambda p: ((), p), lambda p, _: p)
+register_for_export(Packed)
 
 
 def is_packed(x: Any) -> bool:
@@ -152,6 +155,24 @@ def split_rows(stored: Any, rows: tuple, new: Any) -> tuple[Any, list]:
         else:
             out.append(b)
     return treedef.unflatten(out), written
+
+
+def pinned(rows: list, stored: list, shardings: list) -> list:
+    """New pack rows `[(group, leaf, rows, array)]` (from `split_rows` or `optim._hoist`) constrained to
+    where their packs live, for the stacks (stored trees `stored`) with a requested state sharding
+    (`shardings[i]`, `setup(..., state_sharding=fn)`; None for none): replicated over its mesh, as every small
+    state array is. A rule reading sharded state can compute some small leaves sharded (Adafactor's row
+    statistics of a matrix whose rows ZeRO-1 splits): XLA would propagate that sharding into the pack with Auto
+    mesh axes (the next step's state then differs from setup's), and with Explicit ones the pack's pieces,
+    sharded differently, could not be joined."""
+    from ._stack import constrain, stack_shardings
+
+    rep: dict = {}
+    for tree, s in zip(stored, shardings):
+        places = None if s is None else stack_shardings(s)
+        if places is not None:
+            rep.update((a.group, places[1]) for a in jax.tree.leaves(tree, is_leaf=is_packed) if is_packed(a))
+    return [(k, t, r, constrain(a, rep[k]) if k in rep else a) for k, t, r, a in rows]
 
 
 def assemble(packs: tuple, rows: list) -> dict:

@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
-from . import _fused as fused
-from . import _hoist as hoist
+from . import _strategies as strategies
+from . import _xla as xla
 from ._cache import LRU
 from ._state import Layout, State
 from ._tree import PyTree, describe, dotted, flatten, show, structure_diff
@@ -42,7 +42,7 @@ class Program:
     grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
     out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
     # Traced (inside a caller's jit): per stepping parameter, its other plain tied positions (indices into
-    # `check_pos`), which `_core` then returns as outputs of their own (see `optim._update._mirrors`); and
+    # `check_pos`), which `_core` then returns as outputs of their own (see `optim._xla.mirrors`); and
     # `out_src` for that case, indexing new_params + new_copies + those outputs + old leaves.
     mirror_pos: tuple[tuple[int, ...], ...]
     out_src_traced: tuple[int, ...]
@@ -67,7 +67,7 @@ def plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool 
     lay = state.layout
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
-    key = (lay, hoist.ENABLED, fused.ENABLED, *(d for _, d in flat))
+    key = (lay, *xla.key(), *strategies.key(), *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = _make(lay, trees, who)

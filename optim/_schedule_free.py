@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from ._export import register_for_export
 from ._hyper import is_concrete, is_schedule
 from ._schedules import Hyper
 from ._step import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_compute
@@ -14,6 +15,7 @@ from ._step import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_co
 __all__ = ["ScheduleFreeAdamW"]
 
 
+@register_for_export
 class ScheduleFreeState(NamedTuple):
     z: Any               # the base sequence
     nu: Any              # the second moment
@@ -59,7 +61,8 @@ class ScheduleFreeAdamW(Rule):
 
     optax: the parameters equal those of `optax.contrib.schedule_free_adamw(η, warmup_steps=W or None, b1=β₁,
     b2=β₂, eps=ε, weight_decay=λ, weight_lr_power=k)` (the defaults are optax's) and
-    `optim.averaged(state, model)` equals `optax.contrib.schedule_free_eval_params(opt_state, params)`.
+    `optim.averaged(state, model)` equals `optax.contrib.schedule_free_eval_params(opt_state, params)`; in
+    float32 to about 1e-6 relative over 100 steps, from the rounding of `1 - β` (see `Adam`).
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])

@@ -7,6 +7,7 @@ Any hyperparameter of any rule may be a schedule.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import jax
@@ -25,6 +26,11 @@ class Schedule:
     The constructor checks concrete numbers (`optim._hyper`): values are finite and stored as floats (so
     `adjust` never truncates a schedule given as ints), and > 0 where the formula needs it (`_positive`);
     lengths are >= 0, and > 0 where the formula divides by them, so that no schedule ever yields NaN.
+
+    `bounds()` gives the lowest and highest value over all steps (a limit the schedule tends to counts as
+    reached), from its numbers alone, or None when they are traced. A rule's constructor and `adjust` check it
+    against the hyperparameter's range, as they check a number: `Adam(Linear(0.1, -0.1, 10))` is a `ValueError`.
+    A schedule of your own may define it too; without it, it is not checked.
     """
 
     _static: tuple[str, ...] = ()
@@ -39,6 +45,10 @@ class Schedule:
 
     def __post_init__(self):
         owner = type(self).__name__
+        for name in self._values + self._positive:
+            v = getattr(self, name)
+            for k, u in enumerate(v) if isinstance(v, (tuple, list)) else [(None, v)]:
+                _no_schedule(owner, name if k is None else f"{name}[{k}]", u)
         for name in self._values:
             v = getattr(self, name)
             if isinstance(v, (tuple, list)):
@@ -59,8 +69,35 @@ class Schedule:
     def __call__(self, step: Any) -> jax.Array:
         raise NotImplementedError
 
+    def bounds(self) -> tuple[float, float] | None:
+        """`(lowest, highest)` value over all steps, or None when unknown (see the class docstring)."""
+        return None
+
     def __repr__(self) -> str:
         return struct_repr(self)
+
+
+def _no_schedule(owner: str, name: str, v: Any) -> None:
+    if isinstance(v, Schedule):
+        raise TypeError(f"{owner}: {name} must be a number, got the schedule {v!r}: a schedule's numbers are fixed "
+                        "(run schedules one after another with optim.Join)")
+
+
+def _span(*values: Any) -> tuple[float, float] | None:
+    """`(min, max)` of numbers, or None when one is traced (its value is not known here)."""
+    if not all(_hyper.is_concrete(v) for v in values):
+        return None
+    vs = [float(v) for v in values]
+    return min(vs), max(vs)
+
+
+def _sorted(owner: str, boundaries: tuple) -> None:
+    """Boundaries are steps in increasing order (equal ones make an empty piece); refuse them out of order."""
+    known = [(k, b) for k, b in enumerate(boundaries) if _hyper.is_concrete(b)]
+    for (j, a), (k, b) in zip(known, known[1:]):
+        if b < a:
+            raise ValueError(f"{owner}: boundaries must be in increasing order (each is the step where the next "
+                             f"piece starts), but boundaries[{k}] = {b!r} comes after boundaries[{j}] = {a!r}")
 
 
 # What a hyperparameter field holds: a number, an array (a tracer under jit) or a schedule.
@@ -89,6 +126,9 @@ class Constant(Schedule):
     def __call__(self, step):
         return jnp.asarray(self.value)
 
+    def bounds(self):
+        return _span(self.value)
+
 
 class Linear(Schedule):
     """From `start` to `end` linearly over `steps` steps, then `end`."""
@@ -102,6 +142,9 @@ class Linear(Schedule):
     def __call__(self, step):
         frac = _frac(_t(step, self.start), self.steps)
         return self.start + (self.end - self.start) * frac
+
+    def bounds(self):
+        return _span(self.start, self.end)
 
 
 class Cosine(Schedule):
@@ -117,10 +160,14 @@ class Cosine(Schedule):
         frac = _frac(_t(step, self.init), self.steps)
         return self.final + (self.init - self.final) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
 
+    def bounds(self):
+        return _span(self.init, self.final)
+
 
 class Piecewise(Schedule):
     """Piecewise constant: `values[k]` for `boundaries[k-1] <= step < boundaries[k]`
-    (`len(values) == len(boundaries) + 1`)."""
+    (`len(values) == len(boundaries) + 1`). Boundaries are in increasing order (equal ones give a piece of no
+    steps); its range (`bounds`) is that of all `values`, also those of empty pieces."""
 
     boundaries: tuple
     values: tuple
@@ -134,6 +181,7 @@ class Piecewise(Schedule):
         if len(self.values) != len(self.boundaries) + 1:
             raise ValueError("Piecewise: need one more value than boundaries")
         super().__post_init__()
+        _sorted("Piecewise", self.boundaries)
 
     def __call__(self, step):
         out = jnp.asarray(self.values[0])
@@ -141,9 +189,16 @@ class Piecewise(Schedule):
             out = jnp.where(step >= b, v, out)
         return out
 
+    def bounds(self):
+        return _span(*self.values)
+
 
 class Join(Schedule):
-    """Schedules one after another: `schedules[k]` runs from `boundaries[k-1]`, seeing `step - boundaries[k-1]`."""
+    """Schedules one after another: `schedules[k]` runs from `boundaries[k-1]`, seeing `step - boundaries[k-1]`.
+
+    Boundaries are in increasing order. Its range (`bounds`) spans its parts' ranges, each over all the part's
+    steps (also those after the next boundary, which the `Join` never reaches): a conservative range, known from
+    the parts' numbers alone."""
 
     schedules: tuple
     boundaries: tuple
@@ -161,12 +216,19 @@ class Join(Schedule):
                                 "Constant)")
         object.__setattr__(self, "schedules", tuple(self.schedules))
         super().__post_init__()
+        _sorted("Join", self.boundaries)
 
     def __call__(self, step):
         out = self.schedules[0](step)
         for b, s in zip(self.boundaries, self.schedules[1:]):
             out = jnp.where(step >= b, s(step - b), out)
         return out
+
+    def bounds(self):
+        parts = [s.bounds() for s in self.schedules]
+        if any(b is None for b in parts):
+            return None
+        return min(lo for lo, _ in parts), max(hi for _, hi in parts)
 
 
 def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float = 0.0,
@@ -178,6 +240,9 @@ def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float 
     >>> [round(float(s(t)), 3) for t in (0, 5, 10, 60, 110, 200)]
     [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
+    for name, v in (("peak", peak), ("init", init), ("final", final)):   # named as the caller wrote them
+        _no_schedule("warmup_cosine", name, v)
+        _hyper.hyper("warmup_cosine", name, v, "any")
     _hyper.length("warmup_cosine", "warmup_steps", warmup_steps, positive=False)
     _hyper.length("warmup_cosine", "decay_steps", decay_steps, positive=False)
     if _hyper.is_concrete(warmup_steps) and _hyper.is_concrete(decay_steps) and not decay_steps > warmup_steps:
@@ -238,6 +303,11 @@ class WSD(Schedule):
             down = self.final + (self.peak - self.final) * (1 - jnp.sqrt(frac))
         return jnp.where(t < self.warmup, warm, jnp.where(t < self.warmup + self.stable, self.peak, down))
 
+    def bounds(self):
+        # the warmup starts at 0 (a traced warmup may be > 0)
+        no_warmup = _hyper.is_concrete(self.warmup) and self.warmup == 0
+        return _span(self.peak, self.final) if no_warmup else _span(0.0, self.peak, self.final)
+
 
 class InvSqrt(Schedule):
     """Inverse square root with linear warmup: `peak * step / warmup` before step `warmup`, then
@@ -263,6 +333,9 @@ class InvSqrt(Schedule):
         safe = jnp.where(ok, w, 1)
         factor = jnp.where(t < safe, t / safe, jnp.sqrt(safe / jnp.maximum(t, safe)))
         return self.peak * jnp.where(ok, factor, jnp.where(t <= 0, 1.0, 0.0))
+
+    def bounds(self):
+        return _span(0.0, self.peak)      # 0 at step 0, the peak at `warmup`, then down towards 0
 
 
 class Exponential(Schedule):
@@ -302,6 +375,14 @@ class Exponential(Schedule):
             p = jnp.floor(p)
         return self.init * jnp.power(jnp.asarray(self.rate, t.dtype), p)
 
+    def bounds(self):
+        got = _span(self.init, self.rate)
+        if got is None:
+            return None
+        init, rate = float(self.init), float(self.rate)
+        limit = init if rate == 1 or init == 0 else 0.0 if rate < 1 else math.copysign(math.inf, init)
+        return min(init, limit), max(init, limit)    # towards 0 (rate < 1) or without bound (rate > 1)
+
 
 class Polynomial(Schedule):
     """Polynomial decay from `init` to `end` over `steps` steps, then `end`:
@@ -326,6 +407,9 @@ class Polynomial(Schedule):
         left = 1 - _frac(_t(step, self.init), self.steps)
         # 0 ** power is 0 for power > 0; the guard keeps a traced power <= 0 finite at the end
         return (self.init - self.end) * jnp.where(left > 0, jnp.power(left, self.power), 0) + self.end
+
+    def bounds(self):
+        return _span(self.init, self.end)
 
 
 

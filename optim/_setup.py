@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._fused import wide_rules
+from ._strategies import wide_rules
 from ._hyper import canonical_numbers
 from ._stack import init_stack, placement
 from ._step import is_rule
 from ._state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from ._ties import tie_groups, tie_positions
-from ._tree import PyTree, canonical_dtype, describe, is_trainable, match_positions, show, unique_index
+from ._tree import (PyTree, canonical_dtype, describe, is_trainable, match_positions, show, suggest_pattern,
+                    unique_index)
 
 
 def _canonical_hyper(rule: Any) -> Any:
@@ -45,8 +46,10 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
     to `setup` in place of a rule.
 
     A trainable leaf that no pattern matches is a `ValueError` naming it (end the table with `"*"` for a
-    default); so is a tie group whose members match patterns with different rules (a tie group is one
-    parameter, with one rule). Entries stay separate rules even when they are equal, so each pattern's
+    default); so is a pattern that matches no trainable leaf (a typo such as `"*.bais"` would otherwise give
+    its rule to nothing; a `"*"` default that every leaf reaches through an earlier pattern is fine), and so
+    is a tie group whose members match patterns with different rules (a tie group is one parameter, with one
+    rule). Entries stay separate rules even when they are equal, so each pattern's
     parameters can be adjusted alone, `adjust(state, "*.bias", lr=...)`, without compiling a new program
     (the same rule object under several patterns is one rule).
 
@@ -76,7 +79,10 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
         """`{position: rule}` for the given (trainable) positions of a model whose leaves have dotted `paths`."""
         out: dict[int, Any] = {}
         for pattern, rule in self.table.items():
-            for i in match_positions(paths, pattern, positions):
+            found = match_positions(paths, pattern, positions)
+            if not found and positions:
+                raise ValueError(_unmatched(pattern, paths, positions))
+            for i in found:
                 out.setdefault(i, rule)
         for i in positions:
             if i not in out:
@@ -89,11 +95,29 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
         return "by_path({" + ", ".join(f"{k!r}: {v!r}" for k, v in self.table.items()) + "})"
 
 
+def _unmatched(pattern: str, paths: Sequence[str], positions: Sequence[int]) -> str:
+    """Why a `by_path` pattern that selects no trainable leaf is refused (as `adjust` and `freeze` refuse one):
+    it would give its rule to nothing, silently, and it is most often a typo."""
+    trainable, chosen = sorted({paths[i] for i in positions}), set(positions)
+    others = match_positions(paths, pattern, [i for i in range(len(paths)) if i not in chosen])
+    why = (f" (it matches only {show(paths[others[0]])}, which is not trainable: only floating or complex arrays "
+           "have a rule)" if others else suggest_pattern(pattern, trainable)
+           or f" (paths look like {', '.join(map(repr, trainable[:3]))})")
+    end = "" if why.endswith("?") else "."
+    return (f"by_path: the pattern {pattern!r} matches no trainable leaf of the model{why}{end} Fix the pattern, "
+            "or remove the entry: a pattern that selects nothing would give its rule to no parameter")
+
+
 def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = None,
           like: State | None = None, state_sharding: Callable[[str, Any], Any] | None = None) -> State:
     """Initialise optimiser state for every trainable leaf of `model`.
 
-    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group).
+    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group). Inside a
+    traced function (`jit`, `vmap`, `grad`) each array argument becomes its own tracer, so one array passed in
+    at two positions arrives as two objects: there, a model with two distinct traced leaves of one shape and
+    dtype (which might be such a tie) is a `ValueError` unless `ties=` says which are tied (`ties={}`: none);
+    the explicit ties are then kept, and a tracer at several positions (a model built inside the trace) is
+    still found by identity.
     `ties` adds explicit ones: `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at
     `path` is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through `f`,
     and after each step it is recomputed as `f(new canonical)`). Trainable leaves are jax / numpy arrays of a
@@ -114,7 +138,11 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     updated parameters: the price of sharded state with replicated parameters). A `fn` that is not callable, a
     result that is not such a sharding, or a sharding that cannot shard the parameter's shape (a spec longer than
     its rank, a dimension the mesh axes do not divide evenly) raise `TypeError` / `ValueError` naming the path,
-    before any state is made.
+    before any state is made. So does a sharding over other devices than the parameter's: a parameter committed
+    to devices (a jax array placed with `device_put` or made by a sharded computation) needs its state on the
+    same set of devices, not on another device or on part of its mesh, and a parameter sharded over a mesh
+    (replicated included) needs its state over that same mesh; a parameter not committed to any (numpy, an
+    array made without a device) is put where its state is.
 
     Same-shaped parameters are stacked into one array per state field with a leading member axis (see the
     README's Performance section). A stack is sharded on the parameter's axes, never on the member axis: a
@@ -150,10 +178,9 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     paths = _LazyPaths(treedef)
     trainable = [is_trainable(x) for x in leaves]
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-    if traced:
-        warnings.warn("optim.setup was called inside a traced function: ties are found by object identity, "
-                      "which jit does not preserve. Call setup outside jit.", stacklevel=2)
     _check_ties_form(ties)
+    if traced and ties is None:
+        _check_traced_ties(leaves, trainable, paths)
     if ties:
         clash = set(paths) - unique_index(paths).keys()     # dotted names that several leaves share
         for p in [q for k, v in ties.items() for q in (k, v if isinstance(v, str) else v[0])]:
@@ -221,6 +248,7 @@ def _state_shardings(fn: Any, groups: dict, paths: Any, leaves: list) -> dict:
         if not isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
             raise TypeError(f"setup: state_sharding returned a {type(s).__name__} for {show(paths[c])}; optim places "
                             "stacked state from a NamedSharding or a SingleDeviceSharding: use one of those")
+        _check_devices(s, x, paths[c])
         shape = tuple(np.shape(x))
         try:
             s.check_compatible_aval(shape)
@@ -230,6 +258,50 @@ def _state_shardings(fn: Any, groups: dict, paths: Any, leaves: list) -> dict:
                              f"cannot shard that shape: {e}") from None
         out[c] = s
     return out
+
+
+def _check_devices(s: Any, x: Any, path: str) -> None:
+    """A parameter's state lives on the parameter's devices (the same device set) and, for a parameter sharded
+    over a mesh, over that mesh. The step reads both in one program, which JAX refuses for arrays committed to
+    different devices or meshes, at the first `update` and without naming the parameter. A parameter not
+    committed to devices (numpy, an array made without a device) has no devices of its own: jit puts it where
+    its state is."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not getattr(x, "committed", False):
+        return
+    have, want = x.sharding.device_set, s.device_set
+    if have != want:
+        ids = lambda devs: sorted(d.id for d in devs)   # noqa: E731
+        raise ValueError(f"setup: state_sharding gives {show(path)} a sharding on devices {ids(want)}, but the "
+                         f"parameter lives on devices {ids(have)}; a parameter's state must live on the "
+                         "parameter's devices (the same set, e.g. a NamedSharding over the parameter's mesh)")
+    mesh = getattr(x.sharding, "mesh", None)
+    if isinstance(s, jax.sharding.NamedSharding) and isinstance(x.sharding, jax.sharding.NamedSharding) \
+            and s.mesh != mesh:
+        # JAX's programs take one mesh: "Mesh for all inputs should be equal", again only at `update`.
+        raise ValueError(f"setup: state_sharding gives {show(path)} a sharding over the mesh {s.mesh}, but the "
+                         f"parameter is sharded over {mesh}; shard its state over the parameter's mesh "
+                         "(NamedSharding(x.sharding.mesh, spec))")
+
+
+def _check_traced_ties(leaves: list, trainable: list, paths: Any) -> None:
+    """`setup` inside a traced function (jit, vmap, grad) without `ties=`: a `ValueError` when a tie could have
+    been lost. Each array argument of a traced function becomes its own tracer, so one array at two positions of
+    a model passed in arrives as two objects, and identity no longer finds the tie (the copies would train
+    apart). A tracer at several positions (a model built inside the trace) is still one object, and leaves of
+    different shapes or dtypes cannot be tied; so only distinct traced trainable leaves of one shape and dtype
+    are ambiguous. `ties=` (`{}` for none) says which are tied, and is then what `setup` uses."""
+    seen: dict = {}
+    for i, (x, t) in enumerate(zip(leaves, trainable)):
+        if not (t and isinstance(x, jax.core.Tracer)):
+            continue
+        j = seen.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), i)
+        if leaves[j] is not x:
+            raise ValueError(
+                f"setup: called inside a traced function (jit, vmap, grad, eval_shape) on a model whose leaves "
+                f"{show(paths[j])} and {show(paths[i])} are distinct tracers of one shape and dtype ({describe(x)}): "
+                "they may be one array passed in twice (a tie), which a trace cannot see (each array argument becomes "
+                "its own tracer), and untied they would train apart. Call setup outside the traced function, or say "
+                "which leaves are tied with ties={path: canonical_path} (ties={} for none)")
 
 
 def _check_ties_form(ties: Any) -> None:

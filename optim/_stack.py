@@ -82,7 +82,19 @@ def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
                 return stack_states([proto] * len(xs))
         return _placed_init(rule, xs)
     except (TypeError, ValueError) as e:
-        raise type(e)(f"setup: at {show(where())}: {e}") from e
+        raise _at(e, f"setup: at {show(where())}: {e}") from e
+
+
+def _at(e: Exception, message: str) -> Exception:
+    """`e`'s kind of error with `message` (naming the path). Errors whose constructor takes something else
+    than a message (JAX's tracer errors take the tracer) become a plain `TypeError` / `ValueError`."""
+    if type(e) in (TypeError, ValueError):
+        return type(e)(message)
+    try:
+        out = type(e)(message)
+    except Exception:  # noqa: BLE001 (any constructor that does not take a message)
+        return (TypeError if isinstance(e, TypeError) else ValueError)(message)
+    return out if str(out) == message else (TypeError if isinstance(e, TypeError) else ValueError)(message)
 
 
 def _host_init(rule: Any, shape: tuple, dtype: np.dtype, cache: dict | None) -> Any:
@@ -99,9 +111,12 @@ def _host_init(rule: Any, shape: tuple, dtype: np.dtype, cache: dict | None) -> 
     closed, shapes = jax.make_jaxpr(rule.init, return_shape=True)(x)
     out = None
     if _reads_nothing(closed.jaxpr):
-        host = _host_values(closed)
-        if host is None:     # not a plain sequence of primitives: run the init (it allocates its outputs)
-            host = [np.array(a) for a in jax.tree.leaves(rule.init(jnp.zeros(shape, dtype)))]
+        # Evaluated now, also when `setup` runs inside a traced function on a concrete (closed-over) model:
+        # these values depend on nothing traced, so they are constants, not tracers of the outer trace.
+        with jax.ensure_compile_time_eval():
+            host = _host_values(closed)
+            if host is None:     # not a plain sequence of primitives: run the init (it allocates its outputs)
+                host = [np.array(a) for a in jax.tree.leaves(rule.init(jnp.zeros(shape, dtype)))]
         for h in host:
             h.flags.writeable = False
         out = jax.tree.structure(shapes).unflatten(host)

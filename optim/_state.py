@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cache import LRU
+from ._export import register_for_export
 from ._pack import fill, pack
 from ._stack import make_stacks, place_stack, row_index, stack_states
 from ._tree import describe, flatten, match_positions, show, suggest, unique_index
@@ -74,7 +75,7 @@ class Layout:
     params: tuple[Param, ...]
     frozen: tuple[bool, ...]
     # Rules (indices) whose large parameters are stacked too (`optim._stack.make_stacks`): those that optim's
-    # fused CPU kernel runs, decided by `setup` and `adjust` (`optim._fused.wide_rules`).
+    # fused CPU kernel runs, decided by `setup` and `adjust` (`optim._strategies.wide_rules`).
     wide: frozenset = frozenset()
 
     def __post_init__(self):
@@ -181,12 +182,20 @@ class Leaf:
     frozen: bool = False
 
 
+@register_for_export
 @jax.tree_util.register_pytree_with_keys_class
 class State:
     """Optimiser state for a whole model; build it with `optim.setup`.
 
     `state[path]` returns the `Leaf` of the parameter at a dotted path (any member of a tie group gives the
     canonical parameter's leaf). The state is a pytree: pass it through `jax.jit`, `pmap`, `vmap` as usual.
+
+    `a == b` compares by value and gives a Python bool: True when the layouts (model structure, ties, rules'
+    structure, frozen flags) are equal and every leaf (hyperparameters, optimiser state, step counter) has the
+    same shape, dtype and values, NaN equal to NaN (two runs that diverged alike are equal states), wherever the
+    arrays live (host or device). It reads the values, so it is for concrete states (tests, checks), not traced
+    ones: inside `jit` it is a `TypeError`, as `bool` of a traced array is. Like other containers of arrays
+    (dicts, optax states), a `State` is not hashable; its static part, `state.layout`, is.
     """
 
     __slots__ = ("layout", "rules", "stored", "packs", "step", "_stacks")
@@ -331,12 +340,27 @@ class State:
     def __len__(self) -> int:
         return len(self.layout.params)
 
+    __hash__ = None     # compares by value (`__eq__`), and its arrays are data: unhashable, as a dict of arrays
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, State):
+            return NotImplemented
+        if self is other:
+            return True
+        (a, ta), (b, tb) = jax.tree_util.tree_flatten(self), jax.tree_util.tree_flatten(other)
+        if ta != tb:        # the layout, and the rules' and state's structure
+            return False
+        if any(isinstance(v, jax.core.Tracer) for v in a + b):
+            raise TypeError("State == State compares values, which a traced state does not have (inside jit, "
+                            "vmap, grad); compare outside, or compare leaves with jnp.array_equal")
+        return all(_same_leaf(u, v) for u, v in zip(a, b))
+
     def __repr__(self) -> str:
         lay = self.layout
         positions = sum(len(p.members) + len(p.transforms) for p in lay.params)
         lines = [f"State({len(lay.params)} parameters, {positions} positions)"]
         for u, p in enumerate(lay.params):
-            shapes = jax.tree.map(lambda a: describe(a), self.param_state(u))
+            shapes = self._describe_state(u)
             flags = " frozen" if lay.frozen[u] else ""
             tied = ""
             if len(p.members) + len(p.transforms) > 1:
@@ -345,6 +369,36 @@ class State:
             lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
                          f"{unwrap(self.rules[p.rule])!r} state={shapes}{flags}{tied}")
         return "\n".join(lines)
+
+    def _describe_state(self, u: int) -> Any:
+        """Parameter `u`'s state as the repr shows it (shapes and dtypes). A state whose leaves are no longer
+        its stacked arrays (`jax.tree.map(lambda a: a.shape, state)`, a tree of shardings) has no rows to take:
+        then the leaves of `u`'s stack are shown as they are."""
+        try:
+            return jax.tree.map(describe, self.param_state(u))
+        except Exception:  # noqa: BLE001 (any leaves at all: a repr must not fail)
+            g = self.layout.slot[u][0]
+            return "<not arrays: its stack holds " + ", ".join(map(_short, jax.tree.leaves(self.stored[g]))) + ">"
+
+
+def _short(a: Any) -> str:
+    text = describe(a) if hasattr(a, "shape") and hasattr(a, "dtype") else repr(a)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Two leaves of equal states: arrays of one shape and dtype with equal values (NaN equal to NaN); anything
+    else (a state mapped to other leaves) by `==`."""
+    if hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(b, "shape") and hasattr(b, "dtype"):
+        if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+            return False
+        x, y = np.asarray(a), np.asarray(b)
+        nan = jnp.issubdtype(x.dtype, jnp.inexact)
+        return bool(np.array_equal(x, y, equal_nan=nan))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 (leaves that do not compare are not equal)
+        return False
 
 
 def member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
@@ -375,6 +429,7 @@ def func_name(f: Callable) -> str:
     return getattr(f, "__name__", type(f).__name__)
 
 
+@register_for_export
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, eq=False)
 class StaticRule:

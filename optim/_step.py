@@ -82,7 +82,29 @@ def apply_step(x: jax.Array, step: Any) -> jax.Array:
 def where_leading(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.where` with `ok` aligned on the leading axes: a stacked group's gate has one entry per member."""
     ok = jnp.asarray(ok)
-    return jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(a) - ok.ndim)), a, b)
+    return where(ok.reshape(ok.shape + (1,) * (jnp.ndim(a) - ok.ndim)), a, b)
+
+
+def _split_type(a: Any) -> Any:
+    """`a`'s sharding when it is part of its type and splits it (Explicit mesh axes), else None."""
+    s = getattr(jax.typeof(a), "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding) and not s.mesh.empty and any(d is not None for d in s.spec):
+        return s
+    return None
+
+
+def where(c: Any, a: Any, b: Any) -> jax.Array:
+    """`jnp.where(c, a, b)`, also where shardings are types (Explicit mesh axes) and the operands differ: with
+    ZeRO-1 a rule's state is split and its gradient and parameter are replicated, and JAX's select refuses
+    operands sharded differently ("select cases must have the same shardings"). They are then broadcast and
+    resharded to the split one (a replicated operand is sliced: no communication)."""
+    ops = [jnp.asarray(v) for v in (c, a, b)]
+    want = next((s for s in map(_split_type, ops) if s is not None), None)
+    if want is None or all(jnp.ndim(v) == 0 or _split_type(v) == want for v in ops):
+        return jnp.where(c, a, b)
+    ops = [v if jax.typeof(v).sharding.spec == want.spec else jax.sharding.reshard(v, want)
+           for v in jnp.broadcast_arrays(*ops)]
+    return jnp.where(*ops)
 
 
 # ----------------------------------------------------------------------------------------------- base
@@ -118,10 +140,15 @@ class Rule:
     _signed: ClassVar[tuple[str, ...]] = ()   # finite, any sign (Scale.f)
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
     _steps: ClassVar[tuple[str, ...]] = ()    # numbers of steps: integers >= 0, kept integers (a warmup)
+    _flags: ClassVar[tuple[str, ...]] = ()    # structural switches (in `_static`): True or False
     _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
     # Whether the rule looks across the parameters that share it (`ClipGlobalNorm`: True); None for a rule that
-    # does not say, which counts as True when it has `apply_tree` (see `optim._adjust.looks_across`).
+    # does not say, which counts as True when it has `apply_tree` (see `looks_across`).
     _across: ClassVar[bool | None] = None
+    # The name of the standard per-element formula the rule's `apply` computes ("adam", "lion", ...), for the
+    # engine's strategies that run formulas by name (optim._fused); read from the class itself, not inherited, so
+    # a subclass that changes `apply` does not claim it (`formula_of`).
+    _formula: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -133,6 +160,8 @@ class Rule:
         for f in dataclasses.fields(self):
             if f.name not in self._static:
                 object.__setattr__(self, f.name, self._checked(f.name, getattr(self, f.name)))
+        for name in self._flags:    # a string such as "no" would be true: refuse anything but a bool
+            object.__setattr__(self, name, _hyper.flag(type(self).__name__, name, getattr(self, name)))
 
     @classmethod
     def _checked(cls, name: str, v: Any) -> Any:
@@ -264,3 +293,37 @@ def step_row(step: Any, m: int) -> Any:
     """Member `m`'s part of a stacked step (plain, `Gated` or `Replace`). A 0-d entry (a gate shared by the
     whole stack, as `SkipNonFinite` returns) has no row to take and applies to every member."""
     return jax.tree.map(lambda a: a if jnp.ndim(a) == 0 else a[m], step)
+
+
+def looks_across(rule: Any) -> str | None:
+    """The name of the first part of `rule` that looks across the parameters sharing it (`ClipGlobalNorm`,
+    `SkipNonFinite`, `SkipLargeUpdates`, a user rule with `apply_tree`), or None. Giving some of those parameters a
+    rule of their own would change what it computes for all of them."""
+    own = getattr(rule, "_across", None)
+    if own or (own is None and hasattr(rule, "apply_tree")):
+        return type(rule).__name__
+    for name in inner_fields(rule):
+        v = getattr(rule, name)
+        for r in v if isinstance(v, tuple) else (v,):
+            found = looks_across(r)
+            if found:
+                return found
+    return None
+
+
+def inner_fields(rule: Any) -> list[str]:
+    """The fields of `rule` that hold rules (`SkipNonFinite.rule`, `OptimiserChain.rules`), which `adjust` and
+    `looks_across` go inside."""
+    if not dataclasses.is_dataclass(rule):
+        return []
+    out = []
+    for f in dataclasses.fields(rule):
+        v = getattr(rule, f.name)
+        if is_rule(v) or (isinstance(v, tuple) and v and all(map(is_rule, v))):
+            out.append(f.name)
+    return out
+
+
+def formula_of(rule: Any) -> str | None:
+    """The per-element formula `rule`'s own class declares (`Rule._formula`; not inherited), or None."""
+    return type(rule).__dict__.get("_formula")

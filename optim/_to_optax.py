@@ -120,8 +120,8 @@ def _placeholder_state(built: LRU, placeholder: Any) -> State:
     with the placeholder at its parameter-shaped leaves (see `to_optax`)."""
     if not len(built):
         raise TypeError("to_optax: optax.tree.map_params needs the optimiser state's structure, which depends on "
-                        "the parameters (their ties and stacking): call tx.init(params) (or jax.eval_shape("
-                        "tx.init, params)) with this transformation first")
+                        "the parameters (their ties and stacking): call tx.init(params) with this transformation "
+                        "first (outside jit, where ties are visible)")
     _, treedef, flags = built.values()[-1]
     return treedef.unflatten([placeholder if f else 0 for f in flags])
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cache import LRU
+from ._export import register_for_export
 
 PyTree = Any
 
@@ -44,6 +45,20 @@ def unique_index(paths) -> dict[str, int]:
 def suggest(path: str, paths) -> str:
     """`"; did you mean 'a', 'b'?"` naming the paths closest to a mistyped one, or `""`."""
     close = difflib.get_close_matches(path, list(paths), n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
+def suggest_pattern(pattern: str, paths) -> str:
+    """`"; did you mean '*.bias'?"` for a path pattern that matches none of `paths`: the closest of the paths
+    themselves and of the patterns of the same shape that match one (`'*.bais'` against `'dense.bias'` is
+    `'*.bias'`: the path's last parts, with `*` where the pattern has it), or `""`."""
+    parts = pattern.split(".")
+    shaped = set()
+    for p in paths:
+        tail = p.split(".")[-len(parts):]
+        if len(tail) == len(parts):
+            shaped.add(".".join("*" if a == "*" else b for a, b in zip(parts, tail)))
+    close = difflib.get_close_matches(pattern, sorted(shaped | set(paths)), n=3)
     return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
@@ -111,7 +126,8 @@ def structure_diff(expected: list[str], got: list[str], missing: str = "missing"
 
 
 def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
-    """Make `cls` a frozen dataclass and a pytree whose leaves are its non-`static` fields.
+    """Make `cls` a frozen dataclass and a pytree whose leaves are its non-`static` fields (registered for
+    `jax.export` too: `optim._export`).
 
     JAX rebuilds such objects with tracers or placeholders as leaves, so unflattening bypasses `__init__`
     (and its validation).
@@ -129,7 +145,7 @@ def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
         return new_frozen(cls, order, (*children, *aux))
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten)
-    return cls
+    return register_for_export(cls)
 
 
 def new_frozen(cls: type, names: Iterable[str], values: Iterable[Any]) -> Any:

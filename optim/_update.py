@@ -1,9 +1,11 @@
 """`update`: one jitted computation over the deduplicated parameters of a model.
 
-Reading order: `update` (what runs per call) -> `_core` (the traced computation) -> `_rule_step` (XLA's path
-for one rule's stacks) and `_fused_branches` (optim's CPU kernel, `optim._fused`). The static plan that maps
-the model's positions and gradient leaves to parameters, built once per structure and cached, is
-`optim._program`; the norms of `return_stats=True` are `optim._stats`.
+Reading order: `update` (what runs per call) -> `_core` (the traced computation: check the arrays, sum each
+tie's gradients once in `_tie_sums`, step each rule's stacks, write the new values back). How a rule's stacks
+step is the engine's: a registered strategy where one applies (`optim._strategies`; on CPU the fused kernel,
+`optim._fused`), else XLA's path (`optim._xla`). The static plan that maps the model's positions and gradient
+leaves to parameters, built once per structure and cached, is `optim._program`; the norms of
+`return_stats=True` are `optim._stats`.
 
 Inside `_core`, each stack of parameters (`Layout.stacks`: same rule, shape, dtype, placement) runs its rule
 once, vmapped over the stack's state, so the program has a handful of kernels per stack plus one small kernel per
@@ -17,6 +19,7 @@ when `jit`'s cache misses, so a valid call pays for no checks and an invalid one
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from typing import Any
 
@@ -24,17 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _fused as fused
-from . import _hoist as hoist
 from . import _stats as stats
+from . import _strategies as strategies
+from . import _xla as xla
 from ._pack import assemble, replace_groups
 from ._program import Program, plan, take
 from ._schedules import resolve
-from ._stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
+from ._stack import constrain, stack_arrays
 from ._state import Layout, State, unwrap
-from ._step import apply_step, step_row
 from ._tree import PyTree, describe, show
 from ._wrappers import joint_norm
+
+
 def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
            return_grads: bool = False, return_stats: bool = False) -> tuple:
     """Take one optimisation step: returns `(new_state, new_model)`; the inputs are not modified.
@@ -92,6 +96,10 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
             take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
         _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
+        raise
+    except jax.errors.JaxRuntimeError:              # refused before it ran: nothing was donated or computed
+        if donate:
+            _check_donation(prog, leaves, gs)
         raise
     new_leaves = take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
     out = (State(state.layout, state.rules, take(new_stacks + state.stored, prog.stack_src), step,
@@ -171,6 +179,18 @@ def _check_arrays(prog: Program, leaves: list | None, grads: tuple, who: str) ->
                             f"{_short(leaves[i])}, but the state was set up with an array there")
 
 
+def _check_donation(prog: Program, leaves: list, grads: tuple) -> None:
+    """After XLA refused a donated call: raise a ValueError naming a gradient that is the very array of a
+    parameter `donate=True` gives away (XLA cannot read a buffer it was given to overwrite)."""
+    donated = {id(leaves[i]): i for i in prog.param_pos}
+    for t, tree in enumerate(grads):
+        for k, g in enumerate(tree):
+            if id(g) in donated:
+                raise ValueError(f"update: the gradient at {show(prog.grad_paths[t][k])} is the array of the "
+                                 f"parameter at {show(prog.layout.paths[donated[id(g)]])}, which donate=True gives "
+                                 "away to be overwritten; pass a copy (jnp.array(x)) or donate=False")
+
+
 def _short(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
@@ -208,40 +228,26 @@ def _prep_grad(g: Any, x: Any, path: str, f: Any) -> jax.Array:
     return g.astype(want.dtype)
 
 
-def _sums(prog: Program, xs: tuple, grads: tuple) -> list[tuple]:
-    """Per graded parameter, the summed gradient of each tree (tied positions summed; a position tied through
-    a function contributes its gradient pulled back through that function's VJP at the canonical value)."""
-    out = []
+def _tie_sums(prog: Program, xs: tuple, grads: tuple) -> tuple[list[tuple], list[tuple]]:
+    """The one place tied gradients are summed. Per graded parameter: its summed gradient in each tree (its
+    positions' gradients, a position tied through a function pulled back through that function's VJP at the
+    canonical value), and its first tree's gradient as *parts*: the positions' gradients themselves where there
+    are at most two and none is tied through a function (a strategy may add them in its own pass over the
+    parameter; XLA then drops the unread sum), else the sum alone."""
+    summed, parts = [], []
     for a, x in enumerate(xs):
         per_tree = []
         for t, tree in enumerate(grads):
-            total = None
+            gs = []
             for k, f in prog.grad_slots[t][a]:
                 g = _prep_grad(tree[k], x, prog.grad_paths[t][k], f)
-                if f is not None:
-                    g = jax.vjp(f, x)[1](g)[0]
-                total = g if total is None else total + g
-            per_tree.append(jnp.zeros(x.shape, x.dtype) if total is None else total.astype(x.dtype))
-        out.append(tuple(per_tree))
-    return out
-
-
-def _parts(prog: Program, a: int, x: Any, grads: tuple, summed: tuple) -> tuple:
-    """Graded parameter `a`'s gradient (first tree) as the kernel reads it: its positions' gradients, cast as in
-    `_sums`, when there are at most two and none is tied through a function; else the sum."""
-    slots = prog.grad_slots[0][a]
-    if len(slots) > 2 or any(f is not None for _, f in slots):
-        return (summed[0],)
-    return tuple(_prep_grad(grads[0][k], x, prog.grad_paths[0][k], None) for k, _ in slots)
-
-
-def _same_dtypes(new: Any, old: Any) -> Any:
-    """Keep each state leaf's dtype (a rule computing in float32 must not turn a bfloat16 state into float32,
-    which would also retrace every step)."""
-    if jax.tree.structure(new) != jax.tree.structure(old):
-        return new
-    return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") and n.dtype != o.dtype else n,
-                        new, old)
+                gs.append(g if f is None else jax.vjp(f, x)[1](g)[0])
+            per_tree.append(functools.reduce(operator.add, gs).astype(x.dtype) if gs else jnp.zeros(x.shape, x.dtype))
+            if t == 0:
+                plain = 0 < len(gs) <= 2 and all(f is None for _, f in prog.grad_slots[0][a])
+                parts.append(tuple(gs) if plain else (per_tree[0],))
+        summed.append(tuple(per_tree))
+    return summed, parts
 
 
 def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
@@ -251,7 +257,7 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
         _check_param(x, lay, i)
     for u, x in zip(prog.graded, params):
         _check_param(x, lay, lay.params[u].canonical)
-    summed = _sums(prog, params, grads)
+    summed, parts = _tie_sums(prog, params, grads)
     for a, u in enumerate(prog.graded):
         # A requested state sharding (setup's state_sharding=): the summed gradients are pinned to the parameter's
         # own sharding (replicated, for ZeRO-1), so that the sharded state does not propagate back into the
@@ -266,7 +272,7 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
     new_params: list = [None] * len(prog.stepping)
     want_grads, want_stats, in_place, traced = wants
     # Traced, a tied parameter's other positions are outputs of the caller's program too: per stepping
-    # parameter, the arrays at those positions (see `_mirrors`), else nothing.
+    # parameter, the arrays at those positions (see `optim._xla.mirrors`), else nothing.
     mirrors = [tuple(checks[k] for k in ks) if traced else () for ks in prog.mirror_pos]
     new_mirrors: list = [()] * len(prog.stepping)
     squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
@@ -278,23 +284,21 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
         gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
         sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
         firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
-        if fused.usable(rules[r], firsts, stk, sizes, len(grads)):
-            # On CPU, one pass per parameter in optim's kernel (optim._fused); where the process has another
-            # backend too, a program lowered for it keeps XLA's path. The kernel sums a tied parameter's gradient
-            # parts itself (XLA drops the sum when nothing else reads it).
-            parts = [tuple(_parts(prog, a, params[a], grads, summed[a]) for a in prog.stack_plan[j][1]) for j in js]
-            cpu, xla, hypers = _fused_branches(prog, rules[r], js, in_place)
-            out = cpu(hypers, stk, packs, xs, gs, parts, ms) if fused.only_cpu() else jax.lax.platform_dependent(
-                hypers, stk, packs, xs, gs, parts, ms, cpu=cpu, default=xla)
+        # The engine: a registered strategy that runs this rule here (optim._strategies: on CPU, optim's fused
+        # kernel), else XLA's path (optim._xla), both returning the same structure.
+        strategy = strategies.choose(rules[r], firsts, stk, sizes, len(grads))
+        if strategy is not None:
+            ps = [tuple(parts[a] for a in prog.stack_plan[j][1]) for j in js]
+            out = strategy.run(prog, rules[r], js, in_place, stk, packs, xs, gs, ps, ms)
         else:
-            out = _rule_step(prog, rules[r], js, stk, packs, xs, gs)
-            out += (_mirrors(out[1], ms),)
+            out = xla.rule_step(prog, rules[r], js, stk, packs, xs, gs)
+            out += (xla.mirrors(out[1], ms),)
         for j, st, new, new_ms in zip(js, *out[:2], out[3]):
             new_stacks[j] = st
             for a, x, m in zip(prog.stack_plan[j][2], new, new_ms):
                 new_params[a] = x
                 new_mirrors[a] = m
-        # Whole pack groups, each from one array (see `_rule_step`).
+        # Whole pack groups, each from one array (see `optim._xla.rule_step`).
         pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in out[2].items()
                       for t, a in enumerate(group)]
         if want_stats:
@@ -313,84 +317,8 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sta
             grads_out, norms)
 
 
-def _rule_step(prog: Program, rule: Any, js: list, stacks: list, packs: tuple, xs: list, gs: list):
-    """XLA's path for the stepping stacks `js` of one rule: per stack `j` (its stored state `stacks`, its
-    stepping members' parameters `xs` and summed gradients per tree `gs`), the rule runs once on its stepping
-    rows. Returns `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups
-    whole, so that this and the kernel's path (`_fused_branches`) return the same structure
-    (`lax.platform_dependent` needs it)."""
-    lay = prog.layout
-    sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
-    rows = [prog.stack_plan[j][0] for j in js]
-    xx = [stack_arrays(list(x)) for x in xs]
-    # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
-    dxs = [tuple(stack_arrays([_conj(d[t]) for d in g]) for t in range(len(g[0]))) for g in gs]
-    # The rule's step per stack, in the state's stored form (packed small leaves: optim._pack), its small
-    # arithmetic run once per pack where the rule allows (optim._hoist).
-    results, written = hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs)
-    new_stacks, new_params = [], []
-    for j, stack, n, x, (st, d) in zip(js, stacks, sizes, xs, results):
-        rows = prog.stack_plan[j][0]
-        new = put_rows(stack, rows, _same_dtypes(st, take_rows(stack, rows, n)), n)
-        # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
-        # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
-        # requested sharding and the parameters to the sharding they had at setup (an all-gather per
-        # parameter for ZeRO-1).
-        first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
-        if first.state_place is not None:
-            new = constrain_stack(new, first.state_place, first.shape)
-        new_stacks.append(new)
-        # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
-        # update into one kernel per leaf that writes the new parameter directly.
-        new_x = [apply_step(xm, step_row(d, m)) for m, xm in enumerate(x)]
-        if first.state_place is not None:
-            new_x = [constrain(v, lay.params[prog.stepping[a]].place)
-                     for v, a in zip(new_x, prog.stack_plan[j][2])]
-        new_params.append(tuple(new_x))
-    return new_stacks, new_params, assemble(packs, written)
-
-
-def _mirrors(new_params: list, ms: list) -> list:
-    """XLA's path's values for the tied positions `_core` returns when traced: per stack, per stepping member
-    (its new value `new_params[i][m]`, the arrays at its tied positions `ms[i][m]`), the new value once per such
-    position (XLA copies it into a buffer of its own). The kernel writes them itself, into those positions'
-    donated buffers (optim/_fused.cc): no copy after the step, and no fresh buffer whose pages are faulted in on
-    every step."""
-    return [tuple((x,) * len(m) for x, m in zip(new, mj)) for new, mj in zip(new_params, ms)]
-
-
-def _fused_branches(prog: Program, rule: Any, js: list, in_place: bool):
-    """`_rule_step` with optim's fused CPU kernel (optim._fused; only where `fused.usable`), and XLA's path, as
-    functions of `(the rule's hyperparameters, stacks, packs, parameters, summed gradients, gradient parts, the
-    tied positions' arrays (see `_mirrors`))` (the kernel reads the parts, XLA's path the sums), and the
-    hyperparameters.
-    The kernel has no derivative: differentiated (a meta-gradient through `update`), the kernel's function is
-    XLA's path, by a custom JVP (hence the hyperparameters as arguments: they may be what is differentiated).
-    The functions reach the Program through a weak reference: the traced program keeps them, and the Program
-    keeps the traced program (see `_jitted`)."""
-    ref, (hypers, treedef) = weakref.ref(prog), jax.tree_util.tree_flatten(rule)
-
-    def xla(hypers, stacks, packs, xs, gs, parts, ms):
-        new_stacks, new_params, written = _rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs, gs)
-        return new_stacks, new_params, written, _mirrors(new_params, ms)
-
-    @jax.custom_jvp
-    def cpu(hypers, stacks, packs, xs, gs, parts, ms):
-        prog = ref()
-        lay = prog.layout
-        new_stacks, new_params, written, new_ms = fused.step(
-            treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
-            [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms)
-        return new_stacks, new_params, assemble(packs, written), new_ms
-
-    cpu.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
-    return cpu, xla, hypers
-def _conj(g: jax.Array) -> jax.Array:
-    return jnp.conj(g) if jnp.iscomplexobj(g) else g
-
-
 def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
-    return tuple(s[0] for s in _sums(prog, xs, grads))
+    return tuple(s[0] for s in _tie_sums(prog, xs, grads)[0])
 
 
 def _jitted(prog: Program, k: int) -> Any:

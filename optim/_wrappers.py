@@ -9,14 +9,16 @@ per-parameter `apply` is `apply_one`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ._export import register_for_export
 from ._schedules import Hyper
-from ._step import (Gated, Replace, Rule, real_dtype, where_leading, apply_all, apply_one, apply_step, as_compute,
-                    average_of, clip_factor, sum_squares)
+from ._step import (Gated, Replace, Rule, compute_dtype, where_leading, apply_all, apply_one, apply_step,
+                    average_of, clip_factor, is_rule, sum_squares, where)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "SkipLargeUpdates", "joint_norm"]
@@ -29,21 +31,25 @@ def _gate(new: Any, old: Any, ok: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------------- composition
 # Named states of the wrappers (tuples with names: `state["w"].state.inner`, keyed by name in `state_dict`).
+@register_for_export
 class AccumGradState(NamedTuple):
     acc: Any             # the mean of the gradients so far
     k: Any               # the number of the current call in the cycle, int32, 1 to n
 
 
+@register_for_export
 class MixedPrecisionState(NamedTuple):
     master: Any          # the high-precision master copy of the parameter
     inner: Any           # the wrapped rule's state
 
 
+@register_for_export
 class SkipNonFiniteState(NamedTuple):
     inner: Any
     skipped: Any         # the number of skipped steps, int32
 
 
+@register_for_export
 class SkipLargeUpdatesState(NamedTuple):
     inner: Any
     stats: Any           # the running statistics of the norms: {"count", "mean", "var", "skipped"}
@@ -168,7 +174,7 @@ class AccumGrad(Rule):
     def apply(self, state, x, dx, *dxs):
         acc, k = state
         n = jnp.asarray(self.n, jnp.int32)
-        acc = jnp.where(k == 1, dx / n.astype(x.dtype), acc + dx / n.astype(x.dtype))
+        acc = where(k == 1, dx / n.astype(x.dtype), acc + dx / n.astype(x.dtype))   # see `where`
         done = k >= n
         return AccumGradState(acc, jnp.where(done, 1, k + 1)), Gated(acc, done)
 
@@ -207,6 +213,9 @@ class MixedPrecision(Rule):
             dtype, rule = jnp.float32, dtype
         if rule is None:
             raise TypeError("MixedPrecision(dtype, rule) needs a rule")
+        if not is_rule(rule):
+            raise TypeError(f"MixedPrecision: rule must be a rule (it needs init and apply), got {rule!r}; write "
+                            "MixedPrecision(jnp.float32, Adam(1e-3))")
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.inexact):
             raise TypeError(f"MixedPrecision: {dtype!r} is not a floating dtype")
         object.__setattr__(self, "dtype", jnp.dtype(dtype))
@@ -271,15 +280,23 @@ class ClipGlobalNorm(Rule):
 
     max_norm: Hyper = 1.0
     _nonneg = ("max_norm",)
-    _across = True      # one norm over the parameters that share the rule (see `optim._adjust.looks_across`)
+    _across = True      # one norm over the parameters that share the rule (see `optim._step.looks_across`)
+    _formula = "clip"
 
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
 
     def apply_tree(self, states, xs, dxs):
         g = [d[0] for d in dxs]
-        norm = joint_norm(g)
-        return list(states), [d * clip_factor(as_compute(self.max_norm, d), norm.astype(real_dtype(d))) for d in g]
+        f = self.factor(g)
+        return list(states), [d * f.astype(compute_dtype(d)) for d in g]
+
+    def factor(self, dxs: list) -> jax.Array:
+        """`min(ω / ‖g‖, 1)` over the gradients `dxs`: one factor for all of them, computed in float32 (or the
+        widest compute dtype among them), so that a bfloat16 parameter does not round the factor that a float32
+        one is scaled by (a mixed-precision model's norms and matrices are clipped alike)."""
+        dtype = functools.reduce(jnp.promote_types, [compute_dtype(d) for d in dxs], jnp.dtype(jnp.float32))
+        return clip_factor(jnp.asarray(self.max_norm, dtype), joint_norm(dxs).astype(dtype))
 
 
 class SkipNonFinite(Rule):
@@ -304,6 +321,9 @@ class SkipNonFinite(Rule):
     _across = True      # a NaN anywhere among the rule's parameters skips them all
 
     def __init__(self, rule: Any):
+        if not is_rule(rule):
+            raise TypeError(f"SkipNonFinite: rule must be a rule (it needs init and apply), got {rule!r}; write "
+                            "SkipNonFinite(Adam(1e-3))")
         object.__setattr__(self, "rule", rule)
 
     def init(self, x):

@@ -255,6 +255,18 @@ BAD = [
     ("clipping", lambda: optim.Adafactor(clipping_threshold=-1.0), ValueError, "clipping_threshold must be >= 0"),
     ("mu_dtype", lambda: optim.Adafactor(mu_dtype=jnp.int32), TypeError, "Adafactor: mu_dtype must be a real"),
     ("lr type", lambda: optim.Adafactor("0.1"), TypeError, "Adafactor: lr must be a real"),
+    ("factored", lambda: optim.Adafactor(factored="no"), TypeError,
+     "Adafactor: factored must be True or False, got str 'no'"),
+    ("multiply_by_parameter_scale", lambda: optim.Adafactor(multiply_by_parameter_scale="no"), TypeError,
+     "Adafactor: multiply_by_parameter_scale must be True or False, got str 'no'"),
+    ("min_dim_size_to_factor", lambda: optim.Adafactor(min_dim_size_to_factor=-1), ValueError,
+     r"Adafactor: min_dim_size_to_factor must be >= 0, got -1 \(it is the length"),
+    ("min_dim_size_to_factor float", lambda: optim.Adafactor(min_dim_size_to_factor=2.0), TypeError,
+     "Adafactor: min_dim_size_to_factor must be an integer, got float 2.0"),
+    ("min_dim_size_to_factor bool", lambda: optim.Adafactor(min_dim_size_to_factor=True), TypeError,
+     "Adafactor: min_dim_size_to_factor must be an integer, got bool"),
+    ("lr schedule", lambda: optim.Adafactor(optim.Cosine(-0.01, 10)), ValueError,
+     "Adafactor: lr must be >= 0 at every step"),
 ]
 
 
@@ -262,6 +274,13 @@ BAD = [
 def test_bad_hyperparameters_refused(name, make, err, match):
     with pytest.raises(err, match=match):
         make()
+
+
+def test_structural_arguments_in_range_are_kept_as_python_types():
+    r = optim.Adafactor(factored=np.bool_(False), min_dim_size_to_factor=np.int32(0))
+    assert r.factored is False and r.min_dim_size_to_factor == 0 and type(r.min_dim_size_to_factor) is int
+    state = optim.setup(optim.Adafactor(min_dim_size_to_factor=0), {"w": jnp.ones((2, 3))})
+    assert set(state["w"].state) == {"count", "v_row", "v_col"}          # 0: every matrix is factored
 
 
 def test_save_load_and_state_dict_keep_the_named_state(tmp_path):
@@ -279,3 +298,24 @@ def test_save_load_and_state_dict_keep_the_named_state(tmp_path):
     a, _ = optim.update(state, model, grads)
     b, _ = optim.update(again, model, grads)
     jax.tree.map(np.testing.assert_array_equal, a.stacks, b.stacks)
+
+
+def test_learning_rate_is_the_one_default_that_differs_from_optax():
+    """optax's `adafactor()` applies no learning rate (`learning_rate=None`, a factor of 1): it is
+    `Adafactor(1.0)`, and not `Adafactor()`, whose η is 0.01 (float32, optax's own `decay_rate_fn`)."""
+    assert inspect.signature(optax.adafactor).parameters["learning_rate"].default is None
+    x = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.array([0.5, -2.0])}
+    tx = optax.adafactor(min_dim_size_to_factor=2)
+    p, s = x, tx.init(x)
+    ours = {lr: optim.setup(optim.Adafactor(lr, min_dim_size_to_factor=2), x) for lr in (1.0, 0.01)}
+    models = {lr: x for lr in ours}
+    for t in range(5):
+        g = jax.tree.map(lambda a: jnp.cos(a * (t + 1)), p)
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        for lr in ours:
+            ours[lr], models[lr] = optim.update(ours[lr], models[lr], jax.tree.map(lambda a: jnp.cos(a * (t + 1)),
+                                                                                  models[lr]))
+    for k in x:
+        close(models[1.0][k], p[k], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(models[0.01][k], p[k], rtol=1e-3)

@@ -152,6 +152,65 @@ def test_adjust_validates_like_the_constructor(value, err, match):
         optim.adjust(state, lr=value)
 
 
+def test_adjust_refuses_an_array_for_a_scalar_hyperparameter():
+    """A hyperparameter is one number (or a schedule): an array is a ValueError naming the rule and the
+    hyperparameter, not numpy's reshape error, and the state is left as it was."""
+    state = optim.setup(optim.Adam(0.1), {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(3)}})
+    with pytest.raises(ValueError, match=r"Adam: lr must be a scalar, got an array of shape \(2,\): a "
+                                         r"hyperparameter is one number .*or an optim schedule"):
+        optim.adjust(state, lr=jnp.array([0.1, 0.2]))
+    with pytest.raises(ValueError, match=r"Adam: beta\[0\] must be a scalar, got an array of shape \(1,\)"):
+        optim.adjust(state, "enc", beta=(np.array([0.5]), 0.9))
+    with pytest.raises(ValueError, match=r"Adam: lr must be a scalar"):
+        optim.adjust(optim.Adam(0.1), lr=jnp.ones((2, 2)))
+    assert float(state["enc.w"].rule.lr) == pytest.approx(0.1) and len(state.rules) == 1
+
+
+class _Plain(optim.Rule):
+    """A user rule whose field the constructor does not check (no range declared)."""
+
+    lr: float = 0.1
+
+    def apply(self, state, x, dx, *dxs):
+        return state, self.lr * dx
+
+
+def test_adjust_refuses_an_array_for_an_unchecked_scalar_field():
+    state = optim.setup(_Plain(), {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"adjust: _Plain\.lr is a scalar but the new value is an array of shape "
+                                         r"\(2,\): a hyperparameter is one number"):
+        optim.adjust(state, lr=jnp.array([0.1, 0.2]))
+    with pytest.raises(ValueError, match=r"adjust: _Plain\.lr is a scalar but the new value is an array of shape "
+                                         r"\(3,\)"):
+        jax.jit(lambda s, v: optim.adjust(s, lr=v))(state, jnp.ones(3))   # traced: its shape is known
+    assert float(optim.adjust(state, lr=0.5)["w"].rule.lr) == 0.5
+
+
+def test_adjust_checks_a_schedule_against_the_hyperparameter_range():
+    """As `lr=-0.1` is refused, so is a schedule that goes below 0 (its range follows from its numbers)."""
+    state = optim.setup(optim.Adam(0.1), {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"Adam: lr must be >= 0 at every step, but the schedule Cosine\(init=-0.5, "
+                                         r"steps=20, final=0\) takes values down to -0.5 \(its range is \[-0.5, 0\]\)"):
+        optim.adjust(state, lr=optim.Cosine(-0.5, 20))
+    with pytest.raises(ValueError, match=r"Adam: beta\[1\] must be in \[0, 1\) at every step, but the schedule "
+                                         r"Linear\(.*\) takes values up to 1"):
+        optim.adjust(state, beta=(0.9, optim.Linear(0.99, 1.0, 100)))
+    with pytest.raises(ValueError, match=r"Adam: lr must be >= 0 at every step"):
+        optim.adjust(state, "w", lr=optim.warmup_cosine(1e-3, 10, 100, final=-1e-4))
+    ok = optim.adjust(state, lr=optim.Cosine(0.5, 20), beta=(optim.Linear(0.8, 0.95, 10), 0.999))
+    assert isinstance(ok["w"].rule.lr, optim.Cosine)
+
+
+def test_pattern_that_matches_nothing_suggests_the_one_meant():
+    state = optim.setup(optim.Adam(0.1), {"dense": {"w": jnp.ones(2), "bias": jnp.ones(2)}})
+    with pytest.raises(ValueError, match=r"adjust: '\*\.bais' matches no trainable path of the model; did you mean "
+                                         r"'\*\.bias'\?"):
+        optim.adjust(state, "*.bais", lr=0.1)
+    with pytest.raises(ValueError, match=r"freeze: 'zzz' matches no trainable path of the model \(paths look like "
+                                         r"'dense\.bias', 'dense\.w'\)"):
+        optim.freeze(state, "zzz")
+
+
 def test_adjust_validates_beta_components():
     state = optim.setup(optim.Adam(), {"w": jnp.ones(2)})
     with pytest.raises(ValueError, match=r"Adam: beta\[1\] must be in \[0, 1\)"):
@@ -469,7 +528,7 @@ def test_per_path_adjust_refuses_to_split_a_rule_that_looks_across_parameters(ma
 
 
 def test_looks_across_sees_through_wrappers_and_flags_unknown_apply_tree():
-    from optim._adjust import looks_across
+    from optim._step import looks_across
 
     assert looks_across(optim.Adam()) is None
     assert looks_across(optim.MixedPrecision(optim.chain(optim.Adam(), optim.Scale(0.5)))) is None

@@ -154,9 +154,10 @@ def test_vmap_runs_each_member(monkeypatch):
     assert_ulp(got[0].stacks, want[0].stacks)
 
 
-def test_with_another_backend_the_choice_is_per_platform(monkeypatch):
-    """Where the process also has a GPU or TPU, `update` wraps the kernel in `lax.platform_dependent`: lowered for
-    the CPU it is the kernel alone (no conditional), with the same numbers."""
+def test_cpu_program_is_the_kernel_alone(monkeypatch):
+    """The choice between the kernel and XLA's path is made at lowering (optim._kernel_choice; the other
+    platforms are tests/test_export.py): lowered for the CPU, the program has the kernel and no conditional,
+    whatever other backends the process has, with the same numbers."""
     monkeypatch.setattr(_fused, "_ONLY_CPU", False)
     m = model()
     state = optim.setup(optim.Adam(0.1), m)
@@ -166,6 +167,33 @@ def test_with_another_backend_the_choice_is_per_platform(monkeypatch):
     got = f(state, m, grads_at(0, m))
     monkeypatch.setattr(_fused, "ENABLED", False)
     assert_ulp(got, optim.update(state, m, grads_at(0, m)))
+
+
+@pytest.mark.parametrize("inner", [optim.Descent(0.1), optim.Momentum(0.1), optim.Adam(0.01)],
+                         ids=["Descent", "Momentum", "Adam"])
+def test_clip_factor_of_a_mixed_precision_model(inner, monkeypatch):
+    """`chain(ClipGlobalNorm, rule)` on bfloat16 matrices and float32 norms (the bfloat16 one first): one float32
+    factor scales every parameter, in the kernel as in XLA's path (the kernel used to round it to the first
+    parameter's dtype: 3e-3 relative on the float32 parameter's Descent step)."""
+    m = {"a": jnp.ones((64, 64), jnp.bfloat16), "n": jnp.full((BIG,), 0.5, jnp.float32)}
+    g = {"a": jnp.full((64, 64), 0.37, jnp.bfloat16), "n": jnp.linspace(-1, 1, BIG, dtype=jnp.float32)}
+    rule = optim.chain(optim.ClipGlobalNorm(0.3), inner)
+    assert uses_kernel_on(rule, m, g)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(_fused, "ENABLED", fused)
+        state, new = optim.update(optim.setup(rule, m), m, g)
+        runs.append(new)
+    np.testing.assert_allclose(runs[0]["n"], runs[1]["n"], rtol=2e-7)
+    np.testing.assert_array_equal(runs[0]["a"], runs[1]["a"])
+    if isinstance(inner, optim.Descent):      # the factor itself, from numpy in float64
+        norm = np.sqrt(np.sum(np.float64(g["a"].astype(jnp.float32)) ** 2) + np.sum(np.float64(g["n"]) ** 2))
+        want = 0.5 - 0.1 * np.float64(g["n"]) * 0.3 / norm
+        np.testing.assert_allclose(runs[0]["n"], want, rtol=1e-6)
+
+
+def uses_kernel_on(rule, m, g) -> bool:
+    return "optim_fused" in jax.jit(lambda s, m, g: optim.update(s, m, g)).lower(optim.setup(rule, m), m, g).as_text()
 
 
 def test_not_used_where_it_does_not_apply(monkeypatch):

@@ -842,8 +842,8 @@ def test_gradient_of_flatten_untied():
 
 
 def test_gradient_of_flatten_with_ties():
-    """destructure.jl: 'gradient of flatten' (models with ties: `destructure(model, state)`, CONTRACT
-    'Additions', passes the tie map that jax.grad's tracers have lost). Julia gives `nothing` to the non-canonical
+    """destructure.jl: 'gradient of flatten' (models with ties: `destructure(model, state)`, which
+    passes the tie map that jax.grad's tracers have lost). Julia gives `nothing` to the non-canonical
     tied positions; jax.grad gives zeros. JAX's gradient w.r.t. a complex leaf is the conjugate of Zygote's, so
     `conj(g6.b) == [im]`. For sums over a tie group Julia puts the total at each position (its shared-gradient
     convention, #193); here the tied positions add up to it."""
@@ -1083,7 +1083,7 @@ def test_gradient_of_trainables_untied():
 
 
 def test_gradient_of_trainables_with_ties():
-    """trainables.jl: 'gradient' (models with ties: `trainables(model, state)`, CONTRACT 'Additions'). Julia
+    """trainables.jl: 'gradient' (models with ties: `trainables(model, state)`, see its docstring). Julia
     gives every tied position the group's whole gradient (`g.x === g.y`, its shared-gradient convention, #193);
     jax.grad gives per-position gradients that add up to it (README 'Ties'), so the sums over each tie group are
     checked. Complex: JAX's gradient is the conjugate of Zygote's."""
@@ -1163,8 +1163,8 @@ def test_trainables_with_paths():
 
 # ================================================================================================= rules.jl
 def _muon(lr=0.02):
-    """optim's Muon is for matrices: Muon on 2-D leaves, Adam on the rest (CONTRACT: a rule may be chosen per
-    leaf by a function)."""
+    """optim's Muon is for matrices: Muon on 2-D leaves, Adam on the rest (`setup` takes a function of the path and
+    leaf that chooses a rule per leaf)."""
     return lambda path, x: O.Muon(lr) if x.ndim == 2 else O.Adam(1e-3)
 
 

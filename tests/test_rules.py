@@ -1,9 +1,9 @@
 """Every rule, checked against exact numbers.
 
 1. `test_rule_matches_reference`: a float64 numpy re-implementation of each formula, written from
-   `reference/optimisers-jl.md` section 2 (and the CONTRACT for Lion), independently of optim's code, is run for
-   several steps on a fixed parameter vector and a fixed gradient sequence; every step is compared.
-2. The Optimisers.jl test cases of section 4 that concern rules (F2, F4, F6/R2, F7, F9, F16, F17, R5-R8 and the
+   Optimisers.jl v0.4's rule definitions (`src/rules.jl`; Lion from its paper), independently of optim's code, is
+   run for several steps on a fixed parameter vector and a fixed gradient sequence; every step is compared.
+2. The Optimisers.jl test cases that concern rules (F2, F4, F6/R2, F7, F9, F16, F17, R5-R8 and the
    docstring cases), ported with their numbers.
 3. R1 convergence, shortened (see `CONVERGENCE` for the thresholds and how they were chosen).
 4. Lion follows its paper, not Optimisers.jl.
@@ -44,7 +44,7 @@ def vec(*v, dtype=jnp.float32):
 
 # =============================================================================================== 1. reference
 # Each reference rule is (init(x) -> state, apply(state, x, g) -> (state, delta)); x <- x - delta.
-# Written from optimisers-jl.md section 2. Hyperparameters are rounded to float32 (see module docstring).
+# Written from Optimisers.jl's src/rules.jl. Hyperparameters are rounded to float32 (see module docstring).
 
 class Ref:
     def __init__(self, init, apply):
@@ -232,7 +232,7 @@ def r_adabelief(lr=0.001, beta=(0.9, 0.999), eps=1e-16):
 
 
 def r_lion(lr=1e-4, beta=(0.9, 0.99)):
-    """The paper (CONTRACT): step with the previous m, then update m."""
+    """The paper (Chen et al. 2023, arXiv:2302.06675): step with the previous m, then update m."""
     lr, (b1, b2) = f32(lr), f32(beta)
 
     def apply(m, x, g):
@@ -294,7 +294,7 @@ def r_chain(*rules):
 
 O = optim
 # (id, optim rule factory, reference, number of steps). Defaults are tested by calling the optim constructor with
-# no arguments against the reference with the numbers of section 2 spelled out.
+# no arguments against the reference with Optimisers.jl's default numbers spelled out.
 CASES = [
     # --- defaults
     ("Descent()", lambda: O.Descent(), r_descent(0.1), 5),
@@ -717,7 +717,8 @@ def test_chain_passes_scaled_gradient_and_unchanged_extra_gradient():
 
 
 class PlainTwoGrad:
-    """A user-defined rule that does not subclass optim.Rule: the CONTRACT says init + apply are all it needs."""
+    """A user-defined rule that does not subclass optim.Rule: optim.Rule's docstring says init + apply are all it
+    needs."""
 
     def init(self, x):
         return (jnp.ones((), x.dtype), jnp.zeros((), x.dtype))
@@ -1192,7 +1193,62 @@ BAD_HYPER = [
     ("AccumGrad('2')", lambda: O.AccumGrad("2"), TypeError, "AccumGrad: n must be an integer, got str"),
     ("ClipNorm p", lambda: O.ClipNorm(1.0, p="2"), TypeError, "ClipNorm: p must be a number"),
     ("Muon rho", lambda: O.Muon(0.02, rho=2.0), ValueError, r"Muon: rho must be in \[0, 1\)"),
+    ("lr array", lambda: O.Adam(jnp.array([0.1, 0.2])), ValueError,
+     r"Adam: lr must be a scalar, got an array of shape \(2,\): a hyperparameter is one number"),
+    ("beta numpy array", lambda: O.AdamW(beta=(np.array([0.9]), 0.999)), ValueError,
+     r"AdamW: beta\[0\] must be a scalar, got an array of shape \(1,\)"),
+    ("lr schedule negative", lambda: O.Adam(O.Linear(0.1, -0.1, 10)), ValueError,
+     r"Adam: lr must be >= 0 at every step, but the schedule Linear\(start=0.1, end=-0.1, steps=10\) takes "
+     r"values down to -0.1 \(its range is \[-0.1, 0.1\]\)"),
+    ("lr schedule in a Join", lambda: O.Descent(O.Join((O.Constant(0.1), O.Cosine(0.1, 10, -0.01)), (5,))),
+     ValueError, r"Descent: lr must be >= 0 at every step, but the schedule Join\(.*\) takes values down to -0.01"),
+    ("beta schedule reaches 1", lambda: O.Adam(beta=(0.9, O.Linear(0.99, 1.0, 10))), ValueError,
+     r"Adam: beta\[1\] must be in \[0, 1\) at every step, but the schedule .* takes values up to 1"),
+    ("beta schedule grows", lambda: O.Lion(beta=(O.Exponential(0.5, 1.1, 10), 0.99)), ValueError,
+     r"Lion: beta\[0\] must be in \[0, 1\) at every step, but the schedule .* takes values up to inf"),
+    ("rho schedule above 1", lambda: O.Momentum(0.1, O.Piecewise((10,), (0.9, 1.5))), ValueError,
+     r"Momentum: rho must be in \[0, 1\] at every step, but the schedule .* up to 1.5"),
 ]
+
+
+def test_schedules_within_the_range_are_accepted():
+    assert isinstance(O.Adam(O.Linear(0.1, 0.0, 10)).lr, O.Linear)            # reaches 0: lr may be 0
+    assert isinstance(O.Adam(beta=(O.Linear(0.8, 0.95, 10), 0.999)).beta[0], O.Linear)
+    assert isinstance(O.Scale(O.Linear(1.0, -1.0, 10)).f, O.Linear)          # a signed factor may go negative
+    assert isinstance(O.Adam(O.Exponential(1e-3, 1.5, 100)).lr, O.Exponential)   # grows without bound: >= 0
+
+
+STRUCTURAL = [
+    ("Muon steps -1", lambda: O.Muon(steps=-1), ValueError,
+     r"Muon: steps must be >= 1, got -1 \(with no iteration the momentum is not orthogonalised\)"),
+    ("Muon steps 0", lambda: O.Muon(steps=0), ValueError, "Muon: steps must be >= 1, got 0"),
+    ("Muon steps 2.5", lambda: O.Muon(steps=2.5), TypeError, "Muon: steps must be an integer, got float 2.5"),
+    ("Muon steps str", lambda: O.Muon(steps="5"), TypeError, "Muon: steps must be an integer, got str '5'"),
+    ("Muon steps bool", lambda: O.Muon(steps=True), TypeError, "Muon: steps must be an integer, got bool"),
+    ("Muon nesterov", lambda: O.Muon(nesterov="no"), TypeError, "Muon: nesterov must be True or False, got str 'no'"),
+    ("Muon adaptive", lambda: O.Muon(adaptive=1), TypeError, "Muon: adaptive must be True or False, got int 1"),
+    ("Lars nesterov", lambda: O.Lars(nesterov="no"), TypeError, "Lars: nesterov must be True or False, got str"),
+    ("RMSProp centred", lambda: O.RMSProp(centred="yes"), TypeError, "RMSProp: centred must be True or False"),
+    ("AdamW couple", lambda: O.AdamW(couple=None), TypeError, "AdamW: couple must be True or False, got NoneType"),
+    ("SkipNonFinite rule", lambda: O.SkipNonFinite(None), TypeError,
+     r"SkipNonFinite: rule must be a rule \(it needs init and apply\), got None"),
+    ("MixedPrecision rule", lambda: O.MixedPrecision(jnp.float32, 0.1), TypeError,
+     r"MixedPrecision: rule must be a rule \(it needs init and apply\), got 0.1"),
+]
+
+
+@pytest.mark.parametrize("name, make, err, match", STRUCTURAL, ids=[c[0] for c in STRUCTURAL])
+def test_structural_arguments_are_checked_at_construction(name, make, err, match):
+    """Structural arguments are not hyperparameters, but a wrong one must not pass either: a string is truthy
+    (`nesterov="no"` would turn it on) and `Muon(steps=-1)` would skip the orthogonalisation."""
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_structural_arguments_keep_their_values_as_python_types():
+    r = O.Muon(steps=np.int64(3), nesterov=np.bool_(False))
+    assert r.steps == 3 and type(r.steps) is int and r.nesterov is False
+    assert O.Lars(nesterov=True).nesterov is True and O.RMSProp(centred=np.True_).centred is True
 
 
 @pytest.mark.parametrize("name, make, err, match", BAD_HYPER, ids=[c[0] for c in BAD_HYPER])

@@ -99,6 +99,86 @@ def test_degenerate_schedules_refused_at_construction(make, err, match):
         make()
 
 
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: optim.warmup_cosine(float("nan"), 10, 100), ValueError, r"^warmup_cosine: peak must be a number and "
+                                                                     r"finite, got nan$"),
+    (lambda: optim.warmup_cosine(1.0, 10, 100, init=float("inf")), ValueError, r"^warmup_cosine: init must be"),
+    (lambda: optim.warmup_cosine(1.0, 10, 100, final=float("nan")), ValueError, r"^warmup_cosine: final must be"),
+    (lambda: optim.warmup_cosine(1.0, 0, 100, final=float("nan")), ValueError, r"^warmup_cosine: final must be"),
+    (lambda: optim.warmup_cosine("1e-3", 10, 100), TypeError, r"^warmup_cosine: peak must be a real number"),
+    (lambda: optim.warmup_cosine(optim.Constant(1.0), 10, 100), TypeError,
+     r"^warmup_cosine: peak must be a number, got the schedule Constant"),
+])
+def test_warmup_cosine_errors_name_its_own_arguments(make, err, match):
+    """The user wrote warmup_cosine(peak, ...), not Cosine(init, ...): errors name that function's arguments."""
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_piecewise_and_join_refuse_unsorted_boundaries():
+    with pytest.raises(ValueError, match=r"Piecewise: boundaries must be in increasing order \(each is the step "
+                                         r"where the next piece starts\), but boundaries\[1\] = 5 comes after "
+                                         r"boundaries\[0\] = 10"):
+        optim.Piecewise((10, 5), (1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match=r"Join: boundaries must be in increasing order .* boundaries\[2\] = 3 "
+                                         r"comes after boundaries\[1\] = 20"):
+        optim.Join((optim.Constant(1.0),) * 4, (10, 20, 3))
+    # equal boundaries are an empty piece: accepted
+    s = optim.Piecewise((5, 5), (1.0, 2.0, 3.0))
+    assert [float(s(t)) for t in (4, 5, 6)] == [1.0, 3.0, 3.0]
+    # a traced boundary cannot be checked; the concrete ones still are
+    assert float(jax.jit(lambda b: optim.Piecewise((b, 8), (1.0, 2.0, 3.0))(6))(4)) == 2.0
+
+
+def test_schedule_numbers_cannot_be_schedules():
+    with pytest.raises(TypeError, match=r"Linear: start must be a number, got the schedule Constant\(value=1\): a "
+                                         r"schedule's numbers are fixed \(run schedules one after another with "
+                                         r"optim\.Join\)"):
+        optim.Linear(optim.Constant(1.0), 0.0, 10)
+    with pytest.raises(TypeError, match=r"Piecewise: values\[1\] must be a number, got the schedule"):
+        optim.Piecewise((5,), (1.0, optim.Cosine(1.0, 10)))
+    with pytest.raises(TypeError, match=r"Exponential: rate must be a number, got the schedule"):
+        optim.Exponential(1.0, optim.Constant(0.5), 10)
+
+
+INF = float("inf")
+BOUNDS = [
+    (optim.Constant(0.3), (0.3, 0.3)),
+    (optim.Linear(0.1, -0.1, 10), (-0.1, 0.1)),
+    (optim.Cosine(1.0, 10, 0.1), (0.1, 1.0)),
+    (optim.Piecewise((5, 10), (1.0, 3.0, 2.0)), (1.0, 3.0)),
+    (optim.Join((optim.Linear(0.0, 1.0, 10), optim.Cosine(1.0, 90)), (10,)), (0.0, 1.0)),
+    (optim.warmup_cosine(1.0, 10, 110, init=0.1, final=0.05), (0.05, 1.0)),
+    (optim.WSD(1.0, 10, 20, 10, final=0.1), (0.0, 1.0)),        # the warmup starts at 0
+    (optim.WSD(1.0, 0, 5, 4, final=0.5, shape="cosine"), (0.5, 1.0)),
+    (optim.InvSqrt(2.0, 4), (0.0, 2.0)),
+    (optim.Exponential(1.0, 0.5, 10), (0.0, 1.0)),             # tends to 0: counted as reached
+    (optim.Exponential(0.5, 2.0, 10, staircase=True), (0.5, INF)),
+    (optim.Exponential(-1.0, 0.5, 10), (-1.0, 0.0)),
+    (optim.Polynomial(1.0, 0.2, 2, 10), (0.2, 1.0)),
+]
+
+
+@pytest.mark.parametrize("sched, bounds", BOUNDS, ids=[repr(b[0])[:40] for b in BOUNDS])
+def test_schedule_bounds_are_its_range_over_all_steps(sched, bounds):
+    """`bounds()` is what rules check a schedule against: every value lies in it, and its finite ends are
+    reached (or approached)."""
+    assert sched.bounds() == pytest.approx(bounds)
+    values = np.asarray(jax.vmap(sched)(jnp.concatenate([jnp.arange(400), jnp.array([10_000])])))
+    lo, hi = bounds
+    assert np.all(values >= lo - 1e-6) and np.all(values <= hi + 1e-6)
+    assert values.min() == pytest.approx(lo, abs=1e-3)
+    assert hi == INF or values.max() == pytest.approx(hi, abs=1e-6)
+
+
+def test_schedule_with_traced_numbers_has_unknown_bounds_and_is_not_checked():
+    def f(peak):
+        s = optim.Linear(peak, -peak, 10)
+        assert s.bounds() is None
+        return optim.Adam(s).lr(0)          # not refused: the value is not known here
+    assert float(jax.jit(f)(0.1)) == pytest.approx(0.1)
+
+
 def test_warmup_cosine_without_warmup_matches_optax():
     ours = optim.warmup_cosine(1.0, 0, 10, final=0.1)
     ref = optax.warmup_cosine_decay_schedule(0.0, 1.0, 0, 10, 0.1)

@@ -52,6 +52,100 @@ def test_layout_is_hashable_and_compares_by_value():
     assert optim.freeze(a).layout != a.layout
 
 
+def test_state_equality_is_by_value_and_a_python_bool():
+    """`==` compares layouts and every leaf's shape, dtype and values (NaN equal to NaN), wherever the arrays
+    live; a State is unhashable (its layout stays hashable); traced states do not compare."""
+    m = {"w": arr(1, 2, 3), "b": arr(0.5)}
+    a, b = optim.setup(optim.Adam(0.1), m), optim.setup(optim.Adam(0.1), m)
+    assert a is not b and (a == b) is True and (a != b) is False
+    assert jax.tree.map(jnp.asarray, a) == a              # host (numpy) and device arrays of equal values
+    g = {"w": arr(1, -1, 2), "b": arr(3)}
+    a1, b1 = optim.update(a, m, g)[0], optim.update(b, m, g)[0]
+    assert a1 == b1 and a1 != a
+    assert a != optim.setup(optim.Adam(0.2), m)           # a hyperparameter's value
+    assert a != optim.setup(optim.Momentum(0.1), m)       # another rule: another structure
+    assert a != optim.freeze(a, "w")                      # the layout
+    assert a != optim.setup(optim.Adam(0.1), {"w": arr(1, 2, 3)})
+    assert a != jax.tree.map(lambda x: x.astype(jnp.float16) if x.dtype == jnp.float32 else x, a)   # dtypes
+    assert (a == 3) is False and a != None  # noqa: E711 (another type is never equal)
+    nan = {"w": arr(float("nan"), 1, 1), "b": arr(0)}
+    assert optim.update(a, m, nan)[0] == optim.update(b, m, nan)[0]
+    with pytest.raises(TypeError, match="unhashable type: 'State'"):
+        hash(a)
+    assert hash(a.layout) == hash(b.layout)
+    with pytest.raises(TypeError, match="State == State compares values, which a traced state does not have"):
+        jax.jit(lambda s, t: s == t)(a, b)
+
+
+def test_repr_of_a_mapped_state_degrades_gracefully():
+    """`jax.tree.map(f, state)` may put anything at the leaves (shapes, shardings, specs); its repr still names
+    every parameter and shows what the stacks hold instead of failing."""
+    s = optim.setup(optim.Adam(0.1), {"w": jnp.ones((2, 3)), "b": jnp.ones(())})
+    for f in (lambda a: a.shape, lambda a: 0, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+              lambda a: jax.sharding.PartitionSpec(), lambda a: None):
+        text = repr(jax.tree.map(f, s))
+        assert text.startswith("State(2 parameters, 2 positions)") and "\n  w: float32[2, 3] Adam(" in text
+    specs = repr(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s))
+    assert "state=<not arrays: its stack holds float32[1, 2, 3], float32[1, 2, 3]>" in specs   # w's row of 1
+    doubled = repr(jax.tree.map(lambda a: a * 2, s))      # still arrays: shown per parameter as usual
+    assert "Adam(lr=0.2, beta=(1.8, 1.998), eps=2e-08) state=AdamState(mu='float32[2, 3]'" in doubled
+
+
+def test_setup_inside_jit_of_grad_on_a_closed_over_model():
+    """setup on a concrete model closed over by a jitted gradient: the state's constants are made as constants
+    (not tracers of the outer trace), so it trains there as outside, ties included."""
+    w, e = jnp.array([1.0, 2.0, 3.0]), jnp.ones(2)
+    model = {"w": w, "emb": e, "head": e}
+    rule = optim.by_path({"w": optim.Momentum(0.1), "*": optim.Adam(0.1)})
+
+    def run(x):
+        state = optim.setup(rule, model)
+        _, new = optim.update(state, model, jax.tree.map(lambda a: a * x, model))
+        return new
+
+    def loss(x):
+        new = run(x)
+        return jnp.sum(new["w"]) + jnp.sum(new["emb"]) + jnp.sum(new["head"])
+
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(2.0), jax.grad(loss)(2.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(2.0), -0.1 * 6.0, rtol=1e-5)   # Momentum: w - 0.1 x w
+    got = jax.jit(run)(2.0)
+    np.testing.assert_array_equal(got["emb"], got["head"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, run(2.0))
+    # a user rule that is no pytree: its numbers stay Python floats, and its constant init is made as constants
+    state = jax.jit(lambda x: optim.setup(_Pairs(), model).step + x)(1)
+    assert int(state) == 1
+
+
+class _Pairs:
+    """A rule that is not a pytree, with a constant state made of its Python numbers."""
+
+    b = (0.9, 0.99)
+
+    def init(self, x):
+        return jnp.stack([jnp.float32(self.b[0]), jnp.float32(self.b[1])])
+
+    def apply(self, state, x, dx, *dxs):
+        return state, dx
+
+
+class _ReadsFloat:
+    """A rule whose init turns a traced value into a Python float: setup traces inits, so this fails there."""
+
+    def init(self, x):
+        return jnp.full(x.shape, float(jnp.sum(x)))
+
+    def apply(self, state, x, dx, *dxs):
+        return state, dx
+
+
+def test_setup_names_the_path_when_a_rule_init_trips_over_a_tracer():
+    """A JAX tracer error from a rule's init (whose constructor takes the tracer, not a message) comes back as a
+    TypeError naming the path, with JAX's explanation, not as an AttributeError from rebuilding the error."""
+    with pytest.raises(TypeError, match=r"setup: at 'layers\.0\.w': .*[Aa]bstract tracer value"):
+        optim.setup(_ReadsFloat(), {"layers": [{"w": jnp.ones(2)}]})
+
+
 def test_state_is_a_pytree_of_hyperparameters_and_states():
     s = optim.setup(optim.Adam(1e-3), {"w": jnp.ones(3)})
     leaves = jax.tree.leaves(s)
@@ -202,6 +296,24 @@ def test_by_path_exact_path_means_that_path_only():
     assert type(state["w[0]"].rule) is optim.Adam and type(state["w0"].rule) is optim.Descent
     frozen = optim.freeze(optim.setup(optim.Adam(), model), "w[0]")
     assert frozen["w[0]"].frozen and not frozen["w0"].frozen
+
+
+def test_by_path_refuses_a_pattern_that_matches_no_trainable_leaf():
+    """As adjust and freeze refuse such a pattern: a typo would otherwise give its rule to nothing, silently.
+    The message suggests the pattern meant; a pattern matching only non-trainable leaves says so."""
+    model = {**_mlp(), "step": 3}
+    with pytest.raises(ValueError, match=r"by_path: the pattern '\*\.bais' matches no trainable leaf of the model; "
+                                         r"did you mean '\*\.bias'\? Fix the pattern"):
+        optim.setup(optim.by_path({"*.bais": optim.Adam(), "*": optim.AdamW()}), model)
+    with pytest.raises(ValueError, match=r"the pattern 'step' matches no trainable leaf of the model \(it matches "
+                                         r"only 'step', which is not trainable"):
+        optim.setup(optim.by_path({"step": optim.Adam(), "*": optim.AdamW()}), model)
+    with pytest.raises(ValueError, match=r"the pattern 'zzz' matches no trainable leaf of the model \(paths look "
+                                         r"like 'layers\.0\.bias', 'layers\.0\.w', 'layers\.1\.bias'\)"):
+        optim.setup(optim.by_path({"zzz": optim.Adam(), "*": optim.AdamW()}), model)
+    # a default that every leaf reaches through an earlier pattern matches leaves: fine
+    state = optim.setup(optim.by_path({"layers": optim.Adam(), "norm": optim.Lion(), "*": optim.AdamW()}), model)
+    assert [type(leaf.rule).__name__ for _, leaf in state.items()] == ["Adam"] * 4 + ["Lion"]
 
 
 # ------------------------------------------------------------------------ setup(..., state_sharding=fn)

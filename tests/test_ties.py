@@ -182,3 +182,49 @@ def test_ties_survive_jit_via_static_tie_map():
     for _ in range(3):
         eager_state, m = optim.update(eager_state, m, {"a": arr(1, 1), "b": arr(2, 0)})
     close(model["a"], m["a"])
+
+
+def test_setup_inside_jit_with_a_possible_lost_tie_is_a_value_error_naming_the_paths():
+    """Inside jit each array argument is its own tracer: one array at two positions of a model passed in
+    arrives as two objects, so identity cannot find the tie. Two distinct traced leaves of one shape and dtype
+    (a possible tie) without `ties=` are refused, naming them, before any state is made."""
+    w = jnp.ones(3)
+    model = {"emb": w, "head": w, "b": jnp.zeros(2)}
+    with pytest.raises(ValueError, match=r"setup: called inside a traced function .* leaves 'emb' and 'head' are "
+                                         r"distinct tracers of one shape and dtype \(float32\[3\]\)"):
+        jax.jit(lambda m: optim.setup(optim.Adam(0.1), m).step)(model)
+    with pytest.raises(ValueError, match=r"leaves 'emb' and 'head' are distinct tracers"):
+        jax.vmap(lambda m: optim.setup(optim.Adam(0.1), m).step)(jax.tree.map(lambda a: a[None], model))
+
+
+def test_setup_inside_jit_with_explicit_ties_keeps_them_and_trains_the_tie_as_one():
+    """`ties=` inside jit says which traced leaves are tied (`{}`: none): the explicit tie is kept, and a step
+    inside the same jit writes one value to both positions."""
+    w = jnp.array([1.0, 2.0, 3.0])
+    model = {"emb": w, "head": w, "b": jnp.zeros(2)}
+    grads = {"emb": jnp.ones(3), "head": jnp.ones(3), "b": jnp.ones(2)}
+
+    def train(m, g):
+        state = optim.setup(optim.Descent(0.5), m, ties={"head": "emb"})
+        assert state.ties() == {"emb": ("head",)}         # seen while tracing
+        _, new = optim.update(state, m, g)
+        return new
+
+    new = jax.jit(train)(model, grads)
+    close(new["emb"], [0.0, 1.0, 2.0])                     # the tie's gradients summed: 1 - 0.5 * 2
+    close(new["head"], new["emb"], rtol=0, atol=0)
+    untied = jax.jit(lambda m: len(optim.setup(optim.Descent(0.5), m, ties={})))(model)
+    assert untied == 3                                     # ties={}: no ties, as stated
+
+
+def test_setup_inside_jit_on_a_model_built_there_finds_ties_by_identity():
+    """A model built inside the trace from one tracer holds that tracer object at both positions: identity still
+    finds the tie, and leaves that cannot be tied (other shapes or dtypes) need no `ties=`."""
+    def build(v):
+        m = {"emb": v, "head": v, "b": v[:2] * 0}
+        state = optim.setup(optim.Adam(0.1), m)
+        assert state.ties() == {"emb": ("head",)}
+        return state.step
+
+    assert int(jax.jit(build)(jnp.ones(3))) == 0
+    assert int(jax.jit(lambda m: optim.setup(optim.Adam(0.1), m).step)({"a": jnp.ones(3), "b": jnp.ones(2)})) == 0

@@ -458,3 +458,15 @@ def test_return_stats_adds_reductions_not_a_second_pass_over_the_gradients(monke
     # Each of the 4 parameters: 3 reductions (gradient, old - new, new), then a little assembly that does not
     # grow with the parameters' size (8 measured: the per-parameter table, the totals, their slices).
     assert plain + 4 * 3 < with_stats <= plain + 4 * 3 + 10, (plain, with_stats)
+
+
+def test_a_parameter_passed_as_its_own_gradient_with_donation():
+    """`donate=True` gives the parameters' buffers away; a gradient that is the same array cannot be read then.
+    The error names the path, and nothing was given away or changed: the same call without donation works."""
+    m = {"a": jnp.ones(4), "b": jnp.ones(3)}
+    state = optim.setup(optim.Adam(0.1), m)
+    with pytest.raises(ValueError, match=r"gradient at 'a' is the array of the parameter at 'a'.*donate=False"):
+        optim.update(state, m, {"a": m["a"], "b": jnp.ones(3)}, donate=True)
+    np.testing.assert_array_equal(m["a"], jnp.ones(4))
+    _, new = optim.update(state, m, {"a": m["a"], "b": jnp.ones(3)})
+    np.testing.assert_allclose(new["a"], 0.9)

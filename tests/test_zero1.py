@@ -133,6 +133,35 @@ def test_zero1_uneven_sharding_is_a_value_error_naming_the_path(cases):
     assert re.search(r"state_sharding gives 'w' \(float32\[12, ?8\]\) .* cannot shard that shape", rec["message"])
 
 
+def test_zero1_state_sharding_on_other_devices_is_a_value_error_naming_the_path(cases):
+    """A state sharding on another device or on part of the parameter's mesh (or over another mesh of the same
+    devices) is refused by setup, naming the path and both device sets; the same devices, or a parameter not
+    committed to any, are accepted and update runs."""
+    rec = cases["zero1_errors"]
+    assert rec["ok"], rec.get("error")
+    msgs = rec["devices"]
+    assert re.fullmatch(r"setup: state_sharding gives 'enc\.w' a sharding on devices \[3\], but the parameter "
+                        r"lives on devices \[0\];.*", msgs["other_device"])
+    assert re.fullmatch(r"setup: state_sharding gives 'enc\.w' a sharding on devices \[0, 1, 2, 3\], but the "
+                        r"parameter lives on devices \[0, 1, 2, 3, 4, 5, 6, 7\];.*", msgs["sub_mesh"])
+    assert re.fullmatch(r"setup: state_sharding gives 'enc\.w' a sharding over the mesh .*'a': 2, 'b': 4.*, but the "
+                        r"parameter is sharded over .*'data': 8.*", msgs["same_devices_other_mesh"])
+    assert msgs["same_device"] == msgs["uncommitted"] == "accepted, update ran"
+
+
+def test_zero1_every_rule_on_explicit_and_auto_axes_matches_one_device(cases):
+    """Every exported rule (Muon's Newton-Schulz products, Rprop's and AccumGrad's selects, Adafactor's factored
+    statistics included) with a sharded state on a mesh with Explicit axes and on one with Auto axes, eager and
+    inside jit, equals the same training unsharded."""
+    rec = cases["zero1_every_rule"]
+    assert rec["ok"], f"{rec.get('error')}\n{rec.get('traceback', '')}"
+    assert rec["runs"] == ["Explicit_eager", "Explicit_jit", "Auto_eager", "Auto_jit"]
+    assert rec["missing"] == [], f"rules exported by optim but not in zero1_cases.every_rule: {rec['missing']}"
+    assert {"Muon", "Rprop", "AccumGrad", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "ClipGlobalNorm",
+            "EMA", "SkipNonFinite"} <= set(rec["worst"])
+    assert max(rec["worst"].values()) < 1e-4, rec["worst"]
+
+
 def test_zero1_cases_are_quick(cases):
     assert sum(r["cpu_seconds"] for r in cases.values()) < 60
 

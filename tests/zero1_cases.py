@@ -351,8 +351,117 @@ def case_zero1_errors(_ref) -> dict:
     try:
         optim.setup(optim.Adam(0.1), model, state_sharding=lambda p, x: NamedSharding(mesh, P("data")))
     except ValueError as e:
-        return {"tied": True, "step": 6, "max_abs_diff": 0.0, "error_type": "ValueError", "message": str(e)}
-    raise AssertionError("setup accepted P('data') over 8 devices for a (12, 8) parameter")
+        message = str(e)
+    else:
+        raise AssertionError("setup accepted P('data') over 8 devices for a (12, 8) parameter")
+    return {"tied": True, "step": 6, "max_abs_diff": 0.0, "error_type": "ValueError", "message": message,
+            "devices": device_errors(mesh)}
+
+
+def device_errors(mesh) -> dict:
+    """State shardings on other devices than the parameter's: per case, setup's ValueError message (or "accepted"
+    and whether a first update then runs, for the placements that are allowed)."""
+    devs = jax.devices()
+    on0 = {"enc": {"w": jax.device_put(jnp.ones((8, 4)), devs[0])}}
+    everywhere = replicated_model(mesh, {"enc": {"w": jnp.ones((8, 4))}})
+    half = jax.make_mesh((4,), ("data",), devices=devs[:4])
+    other = jax.make_mesh((2, 4), ("a", "b"), devices=devs)      # another mesh over the same 8 devices
+    cases = {"other_device": (on0, jax.sharding.SingleDeviceSharding(devs[3])),
+             "sub_mesh": (everywhere, NamedSharding(half, P("data"))),
+             "same_device": (on0, jax.sharding.SingleDeviceSharding(devs[0])),
+             "uncommitted": ({"enc": {"w": np.ones((8, 4), np.float32)}}, NamedSharding(mesh, P("data"))),
+             "same_devices_other_mesh": (everywhere, NamedSharding(other, P("a")))}
+    out = {}
+    for name, (model, s) in cases.items():
+        try:
+            state = optim.setup(optim.Adam(0.1), model, state_sharding=lambda p, x, s=s: s)
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        try:
+            optim.update(state, model, jax.tree.map(jnp.ones_like, model))
+            out[name] = "accepted, update ran"
+        except Exception as e:  # recorded: an accepted sharding that update then refuses
+            out[name] = f"accepted, update failed: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+# ------------------------------------------------------------------------------------------- 4. every rule
+def every_rule() -> dict:
+    """A rule per exported rule class (the stateless stages in chains), by the top-level key of the model."""
+    adam = optim.Adam(0.01)
+    return {
+        "Descent": optim.Descent(0.1), "Momentum": optim.Momentum(0.1), "Nesterov": optim.Nesterov(0.1),
+        "Rprop": optim.Rprop(0.01), "RMSProp": optim.RMSProp(0.01), "Adam": adam, "RAdam": optim.RAdam(0.01),
+        "AdaMax": optim.AdaMax(0.01), "OAdam": optim.OAdam(0.01), "AdaGrad": optim.AdaGrad(0.1),
+        "AdaDelta": optim.AdaDelta(), "AMSGrad": optim.AMSGrad(0.01), "NAdam": optim.NAdam(0.01),
+        "AdamW": optim.AdamW(0.01, weight_decay=0.1), "AdaBelief": optim.AdaBelief(0.01), "Lion": optim.Lion(0.01),
+        "WeightDecay": optim.chain(optim.WeightDecay(0.1), optim.Descent(0.1)),
+        "SignDecay": optim.chain(optim.SignDecay(0.01), optim.Descent(0.1)),
+        "ClipGrad": optim.chain(optim.ClipGrad(0.5), optim.Descent(0.1)),
+        "ClipNorm": optim.OptimiserChain(optim.ClipNorm(0.5), adam), "Scale": optim.chain(adam, optim.Scale(0.5)),
+        "Adafactor": optim.Adafactor(0.01),
+        "AdafactorFactored": optim.Adafactor(0.01, min_dim_size_to_factor=8, momentum=0.9),
+        "Lamb": optim.Lamb(0.01), "Lars": optim.Lars(1.0, weight_decay=0.01),
+        "ScheduleFreeAdamW": optim.ScheduleFreeAdamW(0.01), "AccumGrad": optim.chain(optim.AccumGrad(2), adam),
+        "MixedPrecision": optim.MixedPrecision(jnp.float32, adam),
+        "ClipGlobalNorm": optim.chain(optim.ClipGlobalNorm(0.5), adam), "SkipNonFinite": optim.SkipNonFinite(adam),
+        "SkipLargeUpdates": optim.SkipLargeUpdates(adam, warmup=1), "EMA": optim.EMA(adam, decay=0.9),
+        "Muon": optim.Muon(0.02), "MuonAdaptive": optim.Muon(0.02, adaptive=True, nesterov=False, weight_decay=0.1),
+    }
+
+
+def rule_classes(rule) -> set[str]:
+    """The class names of `rule` and of the rules inside it (chains, wrappers)."""
+    inner = list(getattr(rule, "rules", ())) + ([rule.rule] if isinstance(getattr(rule, "rule", None), optim.Rule)
+                                                else [])
+    return {type(rule).__name__}.union(*(rule_classes(r) for r in inner))
+
+
+def case_zero1_every_rule(_ref) -> dict:
+    """Every rule optim exports, with `state_sharding=zero1` on a mesh with Explicit axes and on one with Auto
+    axes, `update` eager and inside `jit`, 2 steps, against the same training unsharded on one device. All rules
+    train one model, each its own tied (16, 8) matrix through `by_path` (one compiled program per run): the
+    matrix is what Muon needs and what Adafactor factors, and ZeRO-1 splits its state's rows 8 ways."""
+    rules = every_rule()
+    exported = {n for n in optim.__all__ if n != "Rule" and isinstance(getattr(optim, n), type)
+                and hasattr(getattr(optim, n), "init") and hasattr(getattr(optim, n), "apply")}
+    rule = optim.by_path(rules)
+    k = jax.random.split(jax.random.key(0), len(rules))
+    models = {name: {"w": w, "head": w} for name, w in zip(rules, (jax.random.normal(a, (16, 8)) for a in k))}
+    rng = np.random.default_rng(0)
+    grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), models) for _ in range(2)]
+    # committed to the device like every later state, so that the second step does not compile again
+    ref_state, ref_model = jax.device_put(optim.setup(rule, models)), models
+    for g in grads:
+        ref_state, ref_model = optim.update(ref_state, ref_model, g)
+    ref = optim.state_dict(ref_state)["params"]
+    worst, runs = {}, []
+    for kind in ("Explicit", "Auto"):
+        mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+        model0 = replicated_model(mesh, models)
+        state0 = optim.setup(rule, model0, state_sharding=zero1(mesh))
+        want = specs_of(state0)
+        gs = [jax.device_put(g, NamedSharding(mesh, P())) for g in grads]
+        # the first step eager for both runs (compiled once), the second eager or inside jit: 2 steps (AccumGrad
+        # steps on the second, Rprop compares signs), each program compiled once
+        first = optim.update(state0, model0, gs[0])
+        for how, update in (("eager", optim.update), ("jit", jax.jit(optim.update))):
+            state, model = update(*first, gs[1])
+            assert specs_of(state) == want, f"{kind} axes, {how}: the state left its sharding"
+            assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(model)), f"{kind} {how}: params"
+            got = optim.state_dict(state)["params"]
+            for name in rules:
+                a, b = (pc.to_host(({p: v for p, v in sd.items() if p.split(".")[0] == name}, m[name]))
+                        for sd, m in ((got, model), (ref, ref_model)))
+                np.testing.assert_allclose(np.concatenate([x.ravel() for x in a]),
+                                           np.concatenate([y.ravel() for y in b]), rtol=pc.RTOL, atol=pc.ATOL,
+                                           err_msg=f"{name}, {kind} axes, {how}")
+                worst[name] = max([worst.get(name, 0.0)] + [float(np.max(np.abs(x - y))) for x, y in zip(a, b)])
+                assert model[name]["w"] is model[name]["head"] or np.array_equal(model[name]["w"], model[name]["head"])
+            runs.append(f"{kind}_{how}")
+    return {"tied": True, "step": 6, "max_abs_diff": max(worst.values()), "runs": runs, "worst": worst,
+            "missing": sorted(exported - set().union(*map(rule_classes, rules.values())))}
 
 
 def case_readme_zero1(_ref) -> dict:
@@ -382,7 +491,7 @@ def main(out_path: str) -> None:
              ("zero1_jit_auto", lambda r: case_zero1_jit(r, jax.sharding.AxisType.Auto)),
              ("zero1_eager", case_zero1_eager), ("zero1_stacked", case_zero1_stacked),
              ("zero1_mixed_specs", case_zero1_mixed_specs), ("zero1_errors", case_zero1_errors),
-             ("readme_zero1", case_readme_zero1)]
+             ("readme_zero1", case_readme_zero1), ("zero1_every_rule", case_zero1_every_rule)]
     pc.run_cases(cases, ref, results, out_path)
 
 

@@ -1,0 +1,86 @@
+"""The engine's strategies (optim/_strategies.py): registration, which one runs a rule, and that a fallback to
+XLA's path is never silent (logged at debug level with its reason)."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optim
+from optim import _fused, _strategies
+from tests.test_pack import assert_ulp, grads_at, model
+
+
+def test_the_kernel_is_the_registered_strategy():
+    assert _fused.KERNEL in _strategies.registered()
+    assert _strategies.key() == (True,)
+
+
+def test_kernel_runs_rules_by_their_declared_formula_not_their_class():
+    """A subclass that changes `apply` does not inherit the formula its parent declares."""
+    class MyAdam(optim.Adam):
+        def apply(self, state, x, dx, *dxs):
+            state, step = super().apply(state, x, dx, *dxs)
+            return state, 2 * step
+
+    m = model()
+    text = jax.jit(lambda s, m, g: optim.update(s, m, g)).lower(optim.setup(MyAdam(0.01), m), m,
+                                                                 grads_at(0, m)).as_text()
+    assert "optim_fused" not in text
+    _, new = optim.update(optim.setup(MyAdam(0.01), m), m, grads_at(0, m))
+    _, half = optim.update(optim.setup(optim.Adam(0.01), m), m, grads_at(0, m))
+    np.testing.assert_allclose(new["mat"] - m["mat"], 2 * (half["mat"] - m["mat"]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule, reason", [
+    (optim.SkipNonFinite(optim.AdamW(0.01)), "it has no kernel for this rule"),
+    (optim.NAdam(0.01), "it has no kernel for this rule"),
+])
+def test_a_rule_the_kernel_does_not_run_is_logged(rule, reason, caplog):
+    m = {**model(), "only_here": jnp.ones(5)}       # a structure no other test compiled (the log is per compile)
+    with caplog.at_level(logging.DEBUG, logger="optim"):
+        optim.update(optim.setup(rule, m), m, grads_at(0, m))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(f"does not run {type(rule).__name__}" in t and reason in t for t in msgs), msgs
+
+
+def test_turned_off_kernel_is_logged_and_xla_runs(monkeypatch, caplog):
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    assert _strategies.key() == (False,)
+    m = {**model(), "only_here": jnp.ones(7)}       # a structure no other test compiled (the log is per compile)
+    state = optim.setup(optim.Adam(0.01), m)
+    with caplog.at_level(logging.DEBUG, logger="optim"):
+        _, got = optim.update(state, m, grads_at(0, m))
+    assert any("turned off" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(_fused, "ENABLED", True)
+    assert_ulp(got, optim.update(state, m, grads_at(0, m))[1])
+
+
+def test_a_step_that_cannot_be_hoisted_is_logged(caplog):
+    """A rule whose step does not trace on abstract values (it reads a concrete number) runs per stack, said so."""
+    class Concrete(optim.Rule):
+        lr: float = 0.1
+
+        def init(self, x):
+            return jnp.zeros((), jnp.int32)
+
+        def apply(self, state, x, dx, *dxs):
+            n = int(state)               # concrete only: not traceable abstractly
+            return state + 1, self.lr * dx * (n + 1)
+
+    x = {"a": jnp.ones(3), "b": jnp.ones(3), "only_here": jnp.ones(9)}
+    with caplog.at_level(logging.DEBUG, logger="optim"):
+        try:
+            optim.update(optim.setup(Concrete(), x), x, x)
+        except Exception:        # the ordinary path raises the rule's own error; the log says why hoisting gave up
+            pass
+    assert any("not hoisted" in r.getMessage() for r in caplog.records)
+
+
+def test_wide_rules_are_those_a_strategy_keeps_stacked(monkeypatch):
+    rules = (optim.Adam(), optim.NAdam(), optim.chain(optim.ClipGlobalNorm(1.0), optim.Lion()))
+    assert _strategies.wide_rules(rules) == frozenset({0, 2})
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    assert _strategies.wide_rules(rules) == frozenset()
