@@ -1,8 +1,8 @@
-"""Build of optim's one compiled part, the fused CPU kernel (`optim/_fused.cc`, an XLA FFI custom call).
+"""Build of optim's one compiled part, the fused CPU kernel (`optim/_engine/fused.cc`, an XLA FFI custom call).
 
 Everything else is in pyproject.toml. The kernel is optional: it is compiled with the system's C++ compiler
 against the XLA FFI headers that jaxlib ships, and when there is no compiler, no headers, or the compile fails,
-the install still succeeds and optim runs its pure-JAX path (`optim._fused` says why in a debug log).
+the install still succeeds and optim runs its pure-JAX path (`optim._engine.fused` says why in a debug log).
 """
 
 import importlib.util
@@ -35,8 +35,8 @@ class BuildFused(build_ext):
 
 
 fused = Extension(
-    "optim._fused_kernel",
-    sources=["optim/_fused.cc"],
+    "optim._engine._fused_kernel",
+    sources=["optim/_engine/fused.cc"],
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the
     # handler symbol is exported.

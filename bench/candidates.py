@@ -151,7 +151,7 @@ class OptimJit(Candidate):
 
 
 class OptimJitXla(OptimJit):
-    """`optim jit` with optim's fused CPU kernel off (`optim._fused.ENABLED`, as `OPTIM_FUSED=0`): the rules' JAX
+    """`optim jit` with optim's fused CPU kernel off (`optim._engine.fused.ENABLED`, as `OPTIM_FUSED=0`): the rules' JAX
     code, as XLA compiles it, and the stacks `setup` makes for it (large parameters alone)."""
 
     name = "optim jit xla"
@@ -167,7 +167,7 @@ class OptimJitXla(OptimJit):
 
 class _no_kernel:
     def __enter__(self):
-        from optim import _fused
+        from optim._engine import fused as _fused
 
         self._fused, self._was = _fused, _fused.ENABLED
         _fused.ENABLED = False

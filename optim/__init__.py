@@ -10,30 +10,30 @@
 (Array([0.8, 1.8], dtype=float32), True)
 """
 
-from . import _fused  # noqa: F401  (registers the fused CPU kernel with the engine: optim._strategies)
-from ._adafactor import Adafactor
-from ._adjust import adjust, freeze, thaw
-from ._average import EMA, averaged
-from ._checkpoint import load, save
-from ._optax import WholeTreeError, from_optax, to_optax, with_extra_args
-from ._destructure import destructure, trainables
-from ._microbatch import microbatch
-from ._layerwise import Lamb, Lars, Muon
-from ._rules import (
-    AdaBelief, AdaDelta, AdaGrad, AdaMax, Adam, AdamW, AMSGrad, ClipGrad, ClipNorm, Descent, Lion, Momentum, NAdam,
-    Nesterov, OAdam, RAdam, RMSProp, Rprop, Scale, SignDecay, WeightDecay,
-)
-from ._schedule_free import ScheduleFreeAdamW
-from ._schedules import (
+from ._engine import fused as _fused  # noqa: F401  (registers the fused CPU kernel with the engine: optim._engine.strategies)
+from ._rules.adafactor import Adafactor
+from ._core.adjust import adjust, freeze, thaw
+from ._rules.average import EMA, averaged
+from ._io.checkpoint import load, save
+from ._interop.optax import WholeTreeError, from_optax, to_optax, with_extra_args
+from ._core.destructure import destructure, trainables
+from ._core.microbatch import microbatch
+from ._rules.layerwise import Lamb, Lars, Muon
+from ._rules.adam import AdaBelief, AdaMax, Adam, AdamW, AMSGrad, NAdam, OAdam, RAdam
+from ._rules.adaptive import AdaDelta, AdaGrad, RMSProp
+from ._rules.transforms import ClipGrad, ClipNorm, Scale, SignDecay, WeightDecay
+from ._rules.sgd import Descent, Lion, Momentum, Nesterov, Rprop
+from ._rules.schedule_free import ScheduleFreeAdamW
+from ._rules.schedules import (
     WSD, Constant, Cosine, Exponential, InvSqrt, Join, Linear, Piecewise, Polynomial, Schedule, warmup_cosine,
 )
-from ._setup import by_path, setup
-from ._state import Layout, Leaf, PathError, State
-from ._state_dict import load_state_dict, state_dict
-from ._step import Gated, Replace, Rule, apply_all, apply_step
-from ._surgery import donatable, graft, reset, retie, subtree
-from ._update import global_norm, tie_grads, update
-from ._wrappers import (
+from ._core.setup import by_path, setup
+from ._core.state import Layout, Leaf, PathError, State
+from ._io.state_dict import load_state_dict, state_dict
+from ._rules.protocol import Gated, Replace, Rule, apply_all, apply_step
+from ._core.surgery import donatable, graft, reset, retie, subtree
+from ._core.update import global_norm, tie_grads, update
+from ._rules.wrappers import (
     AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite, chain,
 )
 

@@ -1,4 +1,4 @@
-"""Adafactor (optim/_adafactor.py): against optax.adafactor in float64, factored and unfactored, stacked, and
+"""Adafactor (optim/_rules/adafactor.py): against optax.adafactor in float64, factored and unfactored, stacked, and
 its per-parameter counts, structural fields and errors.
 
 optax is the reference for the formulas: its `decay_rate_fn` computes ρ in float32 even under x64 (a relative

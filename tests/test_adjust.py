@@ -528,7 +528,7 @@ def test_per_path_adjust_refuses_to_split_a_rule_that_looks_across_parameters(ma
 
 
 def test_looks_across_sees_through_wrappers_and_flags_unknown_apply_tree():
-    from optim._step import looks_across
+    from optim._rules.protocol import looks_across
 
     assert looks_across(optim.Adam()) is None
     assert looks_across(optim.MixedPrecision(optim.chain(optim.Adam(), optim.Scale(0.5)))) is None

@@ -1,4 +1,4 @@
-"""EMA and averaged (optim/_average.py): the running average against numpy and optax.ema, ties kept, no
+"""EMA and averaged (optim/_rules/average.py): the running average against numpy and optax.ema, ties kept, no
 average advanced without a step, wrappers in either order, stacking, jit, checkpoints."""
 
 import jax

@@ -1,4 +1,4 @@
-"""optim's caches: every module-level cache is a bounded LRU (`optim/_cache.py`); the eager program cache of
+"""optim's caches: every module-level cache is a bounded LRU (`optim/_core/cache.py`); the eager program cache of
 `update` in particular, where evicting a program frees what was compiled for it.
 
 Each distinct `None` pattern in the gradients is a new program. Every program-cache test runs on a fresh, small
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 import optim
-import optim._program as plans
-from optim._cache import LRU, memoize
+import optim._core.program as plans
+from optim._core.cache import LRU, memoize
 
 L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
 
@@ -134,25 +134,28 @@ def test_rss_stays_flat_when_patterns_cycle_through_a_small_cache(small_cache):
 def module_caches() -> dict[str, LRU]:
     """Every module-level cache of optim: `LRU`s, and the `LRU` behind each `memoize`d function."""
     out = {}
-    for path in sorted(pathlib.Path(optim.__file__).parent.glob("*.py")):   # not the compiled kernel (a .so)
-        mod = importlib.import_module(f"optim.{path.stem}")
+    root = pathlib.Path(optim.__file__).parent
+    for path in sorted(root.rglob("*.py")):   # not the compiled kernel (a .so)
+        dotted = ".".join(path.relative_to(root).with_suffix("").parts)
+        mod = importlib.import_module(f"optim.{dotted}")
         for name, v in vars(mod).items():
             if isinstance(v, LRU):
-                out[f"{path.stem}.{name}"] = v
+                out[f"{dotted}.{name}"] = v
             elif isinstance(getattr(v, "cache", None), LRU) and v.__module__ == mod.__name__:
-                out[f"{path.stem}.{name}"] = v.cache
+                out[f"{dotted}.{name}"] = v.cache
     return out
 
 
 def test_every_module_cache_is_a_bounded_lru():
     sizes = {name: c.maxsize for name, c in module_caches().items()}
     assert sizes == {
-        "_program._PROGRAMS": 256, "_checkpoint_format._SIGNATURES": 1024, "_checkpoint_format._DTYPES": 64,
-        "_checkpoint_format._DTYPE_NAMES": 64, "_optax._CHECKED": 1024, "_optax._factory_class": 1024,
-        "_stack._default_sharding": 1, "_state_dict._stacker": 256,
-        "_average._averager": 32, "_tree._INEXACT": 64, "_hoist._SPLITS": 1024, "_state._SHAPES": 4096}
+        "_core.program._PROGRAMS": 256, "_io.checkpoint_format._SIGNATURES": 1024,
+        "_io.checkpoint_format._DTYPES": 64, "_io.checkpoint_format._DTYPE_NAMES": 64,
+        "_interop.optax_checks._CHECKED": 1024, "_interop.optax._factory_class": 1024,
+        "_engine.stack._default_sharding": 1, "_io.state_dict._stacker": 256, "_rules.average._averager": 32,
+        "_core.tree._INEXACT": 64, "_engine.hoist._SPLITS": 1024, "_core.state._SHAPES": 4096}
     # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
-    src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.glob("*.py") if p.name != "_cache.py")
+    src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.rglob("*.py") if p.name != "cache.py")
     assert not re.findall(r"functools\.cache\b|lru_cache\(|OrderedDict\(|\.clear\(\)", src)
 
 
@@ -185,7 +188,7 @@ def test_memoize_is_bounded():
 
 
 def test_signature_cache_evicts(monkeypatch):
-    from optim import _checkpoint_format as F
+    from optim._io import checkpoint_format as F
     monkeypatch.setattr(F, "_SIGNATURES", LRU(2))
     trees = [jax.tree.structure(t) for t in ({"a": 1}, [1, 2], (1, {"b": 2}))]
     for td in trees:
@@ -194,7 +197,7 @@ def test_signature_cache_evicts(monkeypatch):
 
 
 def test_state_init_shapes_cache_evicts(monkeypatch):
-    import optim._state as S
+    import optim._core.state as S
     monkeypatch.setattr(S, "_SHAPES", LRU(2))
     model = {"a": jnp.ones(2), "b": jnp.ones((2, 3)), "c": jnp.ones((4,), jnp.bfloat16)}
     state = optim.setup(optim.Adam(0.1), model)

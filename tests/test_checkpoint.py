@@ -242,7 +242,7 @@ KILLED = """
 import sys, time, numpy as np
 sys.path.insert(0, {here!r})
 import optim
-from optim import _checkpoint, _checkpoint_format
+from optim._io import checkpoint as _checkpoint, checkpoint_format as _checkpoint_format
 big = {{"w": np.ones((512, 512), np.float32), "v": np.ones((512, 512), np.float32)}}
 state = optim.setup(optim.Adam(0.1), big)
 emit = _checkpoint_format._emit
@@ -328,7 +328,7 @@ def test_save_fsyncs_file_and_directory_and_renames(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- no pickle
 def test_no_pickle_anywhere(tmp_path):
-    src = "".join((ROOT / "optim" / name).read_text() for name in ("_checkpoint.py", "_checkpoint_format.py"))
+    src = "".join((ROOT / "optim" / "_io" / name).read_text() for name in ("checkpoint.py", "checkpoint_format.py"))
     assert not re.search(r"import (c?pickle|dill|marshal|shelve)|allow_pickle=True|\beval\(|\bexec\(", src)
     calls = re.findall(r"np\.load\(([^)]*)\)", src)
     assert calls and all("allow_pickle=False" in c for c in calls)

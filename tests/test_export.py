@@ -1,6 +1,6 @@
 """A train step that calls `optim.update`, lowered for another platform and exported with `jax.export`
-(`optim._kernel_choice`: the CPU kernel only where it will run; `optim._export`: optim's pytree types registered
-for export's serialization)."""
+(`optim._engine.kernel_choice`: the CPU kernel only where it will run; `optim._core.export`: optim's pytree types
+registered for export's serialization)."""
 
 import importlib.util
 
@@ -85,7 +85,7 @@ def test_every_pytree_type_of_a_state_is_registered_for_export():
         assert t in export_internals.serialization_registry, t
     _, aux = jax.tree.structure(state).node_data()
     name, dumps = export_internals.serialization_registry[optim.State]
-    assert name == "optim:optim._state.State"
+    assert name == "optim:optim._core.state.State"
     assert export_internals.deserialization_registry[name][1](dumps(aux)) == aux
 
 

@@ -1,4 +1,5 @@
-"""optim's fused CPU kernel (`optim._fused`, `optim/_fused.cc`): the same numbers as XLA's path, in one pass.
+"""optim's fused CPU kernel (`optim._engine.fused`, `optim/_engine/fused.cc`): the same numbers as XLA's path, in
+one pass.
 
 The reference is the rules' own JAX code (`_fused.ENABLED = False`), compared to a few ulp of each array's scale
 (the kernel does not contract multiply-adds where XLA does). Every case checks that the kernel really ran (its
@@ -19,7 +20,7 @@ import pytest
 
 import optim
 from bench.program import entry_counts
-from optim import _fused
+from optim._engine import fused as _fused
 # The model (ties, single and multi-member stacks, a scalar) and gradients (None at a single stack, a row, half a
 # tie) of tests/test_pack.py, and its comparison to a few ulp of each array's scale.
 from tests.test_pack import BIG, assert_ulp, grads_at, model
@@ -155,7 +156,7 @@ def test_vmap_runs_each_member(monkeypatch):
 
 
 def test_cpu_program_is_the_kernel_alone(monkeypatch):
-    """The choice between the kernel and XLA's path is made at lowering (optim._kernel_choice; the other
+    """The choice between the kernel and XLA's path is made at lowering (optim._engine.kernel_choice; the other
     platforms are tests/test_export.py): lowered for the CPU, the program has the kernel and no conditional,
     whatever other backends the process has, with the same numbers."""
     monkeypatch.setattr(_fused, "_ONLY_CPU", False)
@@ -207,7 +208,7 @@ def test_not_used_where_it_does_not_apply(monkeypatch):
 
 
 def test_environment_variable_turns_it_off():
-    code = ("import jax, jax.numpy as jnp, optim; from optim import _fused; x = jnp.ones(3); "
+    code = ("import jax, jax.numpy as jnp, optim; from optim._engine import fused as _fused; x = jnp.ones(3); "
             "t = jax.jit(optim.update).lower(optim.setup(optim.Adam(), x), x, x).as_text(); "
             "print(_fused.ENABLED, 'optim_fused' in t)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPTIM_FUSED": "0"}, capture_output=True,

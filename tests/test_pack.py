@@ -1,4 +1,4 @@
-"""Packed small state leaves (`optim._pack`) and hoisted scalar arithmetic (`optim._hoist`).
+"""Packed small state leaves (`optim._engine.pack`) and hoisted scalar arithmetic (`optim._engine.hoist`).
 
 Packing changes only how the state is stored, and hoisting only where XLA computes a rule's per-parameter
 numbers: every result must equal the plain path (each stack runs its whole rule, `_hoist.ENABLED = False`) to
@@ -14,9 +14,9 @@ import pytest
 
 import optim
 from bench.program import entry_counts
-from optim import _fused, _hoist, _pack
+from optim._engine import fused as _fused, hoist as _hoist, pack as _pack
 
-BIG = 8200          # above optim._stack.STACK_MAX_SIZE: each such parameter is alone in its stack
+BIG = 8200          # above optim._engine.stack.STACK_MAX_SIZE: each such parameter is alone in its stack
 
 
 @pytest.fixture(autouse=True)

@@ -84,7 +84,7 @@ def _one(dist: Path, pattern: str) -> Path:
 
 
 def _modules() -> set[str]:
-    return {f"optim/{p.name}" for p in (ROOT / "optim").glob("*.py")}
+    return {p.relative_to(ROOT).as_posix() for p in (ROOT / "optim").rglob("*.py")}
 
 
 def test_version_is_written_once_and_is_the_distributions():
@@ -118,7 +118,7 @@ def test_wheel_has_the_package_the_marker_and_the_metadata(dist):
         names = set(z.namelist())
         meta = z.read(f"{PROJECT}-{version}.dist-info/METADATA").decode()
     assert "optim/py.typed" in names
-    assert [n for n in names if n.startswith("optim/_fused_kernel") and n.endswith(".so")], sorted(names)
+    assert [n for n in names if n.startswith("optim/_engine/_fused_kernel") and n.endswith(".so")], sorted(names)
     assert _modules() <= names, sorted(_modules() - names)
     assert not any(n.startswith(("tests/", "examples/", "bench/", "notebooks/")) for n in names)
     assert f"{PROJECT}-{version}.dist-info/licenses/LICENSE" in names
@@ -145,7 +145,7 @@ print(json.dumps({
     "dist_version": importlib.metadata.version("optim-jax"),
     "py_typed": (Path(optim.__file__).parent / "py.typed").is_file(),
     "tied": m["enc"] is m["dec"],
-    "fused": optim._fused.AVAILABLE,
+    "fused": optim._engine.fused.AVAILABLE,
 }))
 """
 

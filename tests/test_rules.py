@@ -1147,7 +1147,7 @@ def test_real_only_rules_reject_complex(make):
 
 
 # =============================================================================================== hardening
-# Hyperparameters are floating numbers, checked at construction (optim._hyper), whatever form they come in.
+# Hyperparameters are floating numbers, checked at construction (optim._rules.hyper), whatever form they come in.
 INT_RULES = [
     ("Descent(1)", lambda: O.Descent(1), "lr"),
     ("ClipGrad(2)", lambda: O.ClipGrad(2), "delta"),

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import optim
-import optim._stack as optim_stack
-from optim import _fused
-from optim._step import apply_all, apply_step
+import optim._engine.stack as optim_stack
+from optim._engine import fused as _fused
+from optim._rules.protocol import apply_all, apply_step
 
 from test_rules import CASES
 
@@ -68,7 +68,7 @@ def per_leaf_step(rule, frozen):
 
     @jax.jit
     def step(r, states, xs, gs, t):
-        r = optim._schedules.resolve((r,), t)[0]
+        r = optim._rules.schedules.resolve((r,), t)[0]
         live = [k for k in xs if gs[k] is not None and k != frozen]
         if trees:        # the whole model at once, one stack per leaf
             lead = lambda a: jax.tree.map(lambda v: v[None], a)

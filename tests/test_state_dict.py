@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import optim
-import optim._stack
+import optim._engine.stack
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -159,7 +159,7 @@ def test_independent_of_stacking(trained, monkeypatch):
     """A state dict saved from a state stacked with another grouping threshold loads (bit for bit) into a default
     state, which trains on as the state it came from."""
     with monkeypatch.context() as mp:
-        mp.setattr(optim._stack, "STACK_MAX_MEMBERS", 4)
+        mp.setattr(optim._engine.stack, "STACK_MAX_MEMBERS", 4)
         model = make_model()
         small = make_state(model)
         assert len(small.layout.stacks) >= N_SMALL // 4

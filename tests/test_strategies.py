@@ -1,4 +1,4 @@
-"""The engine's strategies (optim/_strategies.py): registration, which one runs a rule, and that a fallback to
+"""The engine's strategies (optim/_engine/strategies.py): registration, which one runs a rule, and that a fallback to
 XLA's path is never silent (logged at debug level with its reason)."""
 
 import logging
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import optim
-from optim import _fused, _strategies
+from optim._engine import fused as _fused, strategies as _strategies
 from tests.test_pack import assert_ulp, grads_at, model
 
 

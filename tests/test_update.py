@@ -438,7 +438,7 @@ def test_return_stats_adds_reductions_not_a_second_pass_over_the_gradients(monke
     the fusions of each compiled program (a structural check, not a timing). XLA's path: with optim's fused CPU
     kernel the 4 parameters would be one stack (tests/test_fused.py)."""
     import re
-    from optim import _fused
+    from optim._engine import fused as _fused
     monkeypatch.setattr(_fused, "ENABLED", False)
     model = {f"p{i}": jnp.ones(16384) * i for i in range(4)}
     grads = jax.tree.map(jnp.ones_like, model)

@@ -1,0 +1,486 @@
+"""The optimiser state's data model: `State`, `Leaf`, `Param` and the static `Layout` that `update` compiles
+against (`setup` builds them: `optim/_core/setup.py`; stacks are made and sliced in `optim/_engine/stack.py`).
+
+A `State` is a pytree. Its leaves are the rules' hyperparameters and the optimiser state, stored *stacked*:
+parameters with the same rule, shape, dtype and placement form stacks (`Layout.stacks`), and each stack holds
+one array per state field with a leading axis over its parameters. `update` then runs a rule once per stack
+(vmapped), so the compiled program does not grow with the number of small leaves; `state[path]` slices a
+parameter's own state out. The stacks' small leaves (Adam's `bt`, counts) are stored packed, the rows of several
+stacks in one array (`State.packs`, see `optim._engine.pack`); `state.stacks` reads them back. The static part, the
+`Layout`, holds the model's treedef, every leaf's dotted path, the tie groups, the stacks and the frozen flags.
+It is hashable and compares by value, so a fresh `setup` of an equal structure never makes a jitted function
+retrace; comparing a layout with itself is an identity check, so the per-call cost is nil.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import LRU
+from .export import register_for_export
+from .._engine.pack import fill, pack
+from .._engine.stack import make_stacks, place_stack, row_index, stack_states
+from .tree import describe, flatten, match_positions, show, suggest, unique_index
+
+
+class TiedCopy(NamedTuple):
+    """A model position tied to a parameter through a function: it holds `f(canonical)`, of `shape` and `dtype`
+    (`setup(..., ties={path: (canonical_path, f)})`)."""
+
+    position: int
+    f: Callable
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One real parameter: its canonical position, all tied positions, shape, dtype and rule index."""
+
+    canonical: int
+    members: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    rule: int = 0
+    # Positions that hold f(canonical) rather than the canonical array itself
+    transforms: tuple[TiedCopy, ...] = ()
+    # Where the parameter lives when it is not an ordinary single-device array (its sharding): only parameters
+    # placed alike are stacked together. Not part of equality: the layout compares its stacks instead.
+    place: Any = dataclasses.field(default=None, compare=False)
+    # The sharding requested for this parameter's optimiser-state arrays (`setup(..., state_sharding=fn)`), or
+    # None: like the parameter. Part of equality: `update` constrains the new state to it
+    # (`optim._core.update._core`), so states that differ here must not share a compiled program. Parameters are
+    # stacked only with equal ones.
+    state_place: Any = None
+
+    def __post_init__(self):
+        if self.transforms:      # given as plain 4-tuples (e.g. by a checkpoint): named
+            object.__setattr__(self, "transforms", tuple(TiedCopy(*t) for t in self.transforms))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Static description of a model as seen by a `State` (hashable, compares by value).
+
+    Dotted paths are derived from the treedef the first time something needs a name (errors, `freeze`,
+    `state[path]`, repr), so `setup` needs only JAX's C++ flatten.
+    """
+
+    treedef: Any
+    params: tuple[Param, ...]
+    frozen: tuple[bool, ...]
+    # Rules (indices) whose large parameters are stacked too (`optim._engine.stack.make_stacks`): those that optim's
+    # fused CPU kernel runs, decided by `setup` and `adjust` (`optim._engine.strategies.wide_rules`).
+    wide: frozenset = frozenset()
+
+    def __post_init__(self):
+        param_of = [-1] * self.treedef.num_leaves
+        for u, p in enumerate(self.params):
+            for i in p.members + tuple(t.position for t in p.transforms):
+                param_of[i] = u
+        object.__setattr__(self, "param_of", tuple(param_of))
+        # The stacks: tuples of parameter indices whose states are stored stacked, in this order.
+        object.__setattr__(self, "stacks", make_stacks(self.params, self.wide))
+        # Hashing 10000 Params costs ~10 ms; equal layouts already agree on everything below, and `__eq__`
+        # compares the params themselves.
+        object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.stacks)))
+
+    @functools.cached_property
+    def slot(self) -> tuple[tuple[int, int], ...]:
+        """Per parameter: (its stack, its row in the stack)."""
+        out: list = [None] * len(self.params)
+        for g, stack in enumerate(self.stacks):
+            for k, u in enumerate(stack):
+                out[u] = (g, k)
+        return tuple(out)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        if self is other:
+            return True
+        return (isinstance(other, Layout) and self._hash == other._hash and self.treedef == other.treedef
+                and self.params == other.params and self.frozen == other.frozen and self.stacks == other.stacks)
+
+    @functools.cached_property
+    def paths(self) -> tuple[str, ...]:
+        """The dotted path of every leaf position, in flatten order."""
+        return tuple(leaf_paths(self.treedef))
+
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        """`{dotted path: position}` for the paths that name one leaf (see `ambiguous`)."""
+        return unique_index(self.paths)
+
+    @functools.cached_property
+    def ambiguous(self) -> frozenset[str]:
+        """Dotted paths shared by several leaves (`{"a.b": x, "a": {"b": y}}`): names are for people only, so such
+        a model trains normally, but these names cannot select a leaf."""
+        return frozenset(p for p in self.paths if p not in self.index)
+
+    @functools.cached_property
+    def keypaths(self) -> tuple[tuple, ...]:
+        """JAX's key path of every leaf position: how gradients are matched to the model (dotted names can
+        collide, key paths cannot)."""
+        return tuple(kp for kp, _ in jax.tree_util.tree_flatten_with_path(
+            self.treedef.unflatten([0] * self.treedef.num_leaves))[0])
+
+    @functools.cached_property
+    def key_index(self) -> dict[tuple, int]:
+        """`{key path: position}`."""
+        return {kp: i for i, kp in enumerate(self.keypaths)}
+
+    @functools.cached_property
+    def key_nodes(self) -> frozenset[tuple]:
+        """Every key path that is a subtree of the model (a proper prefix of a leaf's key path)."""
+        return frozenset(kp[:k] for kp in self.keypaths for k in range(len(kp)))
+
+    def param(self, path: str) -> int:
+        """The index of the parameter at dotted `path` (any member of a tie group)."""
+        i = self.index.get(path)
+        if i is None:
+            if path in self.ambiguous:
+                raise PathError(f"{show(path)} names several leaves of this model (its dotted names collide, e.g. "
+                                "a key 'a.b' beside a subtree 'a' with key 'b'); rename a key to select one")
+            raise PathError(f"{show(path)} is not a leaf path of the model{suggest(path, self.paths)}")
+        u = self.param_of[i]
+        if u < 0:
+            raise PathError(f"{show(path)} is not a trainable leaf (only floating or complex arrays have state)")
+        return u
+
+    def match(self, pattern: str) -> list[int]:
+        """Parameters with a member that `pattern` selects (`optim._core.tree.match_positions`: the exact path, else
+        a dotted-path prefix, else an fnmatch pattern)."""
+        trainable = [i for i, u in enumerate(self.param_of) if u >= 0]
+        hits = {self.param_of[i] for i in match_positions(self.paths, pattern, trainable)}
+        clash = sorted({self.paths[i] for i, p in enumerate(self.param_of) if p in hits} & self.ambiguous)
+        if clash:
+            raise PathError(f"{show(pattern)} selects {show(clash[0])}, a dotted name that several leaves of this "
+                            "model share (e.g. a key 'a.b' beside a subtree 'a' with key 'b'); rename a key")
+        return sorted(hits)
+
+
+class PathError(ValueError, KeyError):
+    """A dotted path that does not name what it should. A `ValueError` (and a `KeyError` for `state[...]`)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """The optimiser state of one parameter: its rule, the rule's state and whether it is frozen."""
+
+    rule: Any
+    state: Any
+    frozen: bool = False
+
+
+@register_for_export
+@jax.tree_util.register_pytree_with_keys_class
+class State:
+    """Optimiser state for a whole model; build it with `optim.setup`.
+
+    `state[path]` returns the `Leaf` of the parameter at a dotted path (any member of a tie group gives the
+    canonical parameter's leaf). The state is a pytree: pass it through `jax.jit`, `pmap`, `vmap` as usual.
+
+    `a == b` compares by value and gives a Python bool: True when the layouts (model structure, ties, rules'
+    structure, frozen flags) are equal and every leaf (hyperparameters, optimiser state, step counter) has the
+    same shape, dtype and values, NaN equal to NaN (two runs that diverged alike are equal states), wherever the
+    arrays live (host or device). It reads the values, so it is for concrete states (tests, checks), not traced
+    ones: inside `jit` it is a `TypeError`, as `bool` of a traced array is. Like other containers of arrays
+    (dicts, optax states), a `State` is not hashable; its static part, `state.layout`, is.
+    """
+
+    __slots__ = ("layout", "rules", "stored", "packs", "step", "_stacks")
+
+    def __init__(self, layout: Layout, rules: tuple, stacks: tuple, step: Any, packs: tuple | None = None):
+        self.layout = layout
+        self.rules = rules      # one entry per distinct rule; Param.rule indexes into it
+        self.step = step        # number of update calls so far: what schedules are evaluated at
+        if packs is None:       # per-stack trees, as `stacks` returns them: the small leaves get packed
+            self._stacks = stacks
+            self.stored, self.packs = pack(layout, stacks, _member_shapes(layout, rules, stacks))
+        else:                   # the stored form: stacks with `Packed` placeholders, and the packs
+            self._stacks = None
+            self.stored, self.packs = stacks, packs
+
+    @property
+    def stacks(self) -> tuple:
+        """Per stack (`Layout.stacks`): its parameters' states, stacked on axis 0 (the packed small leaves read
+        back from `packs`; see `optim._engine.pack`)."""
+        if self._stacks is None:
+            self._stacks = tuple(fill(s, self.packs) for s in self.stored)
+        return self._stacks
+
+    def stack(self, g: int) -> Any:
+        """`self.stacks[g]`, reading back only that stack's packed rows."""
+        return self._stacks[g] if self._stacks is not None else fill(self.stored[g], self.packs)
+
+    def replace(self, layout: Layout | None = None, rules: tuple | None = None, step: Any = None) -> "State":
+        """This state with another layout (same stacks), rules or step; the arrays are shared, not copied."""
+        lay = layout if layout is not None else self.layout
+        out = State(lay, self.rules if rules is None else rules, self.stored, self.step if step is None else step,
+                    self.packs)
+        out._stacks = self._stacks
+        return out
+
+    @classmethod
+    def of_params(cls, layout: Layout, rules: tuple, states: list, step: Any) -> "State":
+        """A state from one optimiser state per parameter (in `layout.params` order), stacked per stack."""
+        self = cls(layout, rules, (), step, ())
+        stacks = tuple(self._placed(k, stack_states([states[u] for u in g])) for k, g in enumerate(layout.stacks))
+        return cls(layout, rules, stacks, step)
+
+    def param_state(self, u: int) -> Any:
+        """The optimiser state of parameter `u`: its row of its stack (numpy stays numpy). A state
+        that went through `vmap` / `pmap` (`jax.tree.map(lambda a: jnp.stack([a, a]), state)`) has extra
+        leading axes; they are kept, and the row is taken on the stack's axis after them."""
+        g, k = self.layout.slot[u]
+        stack = self.stack(g)
+        leaves, treedef = jax.tree_util.tree_flatten(stack)
+        extra = [np.ndim(a) - d for a, d in zip(leaves, member_ndims(self, u, treedef))]
+        return treedef.unflatten([a[(slice(None),) * (e - 1) + (k,)] for a, e in zip(leaves, extra)])
+
+    def param_states(self) -> list:
+        """One optimiser state per parameter, in `layout.params` order."""
+        return [self.param_state(u) for u in range(len(self.layout.params))]
+
+    def with_param_states(self, new: Mapping[int, Any]) -> "State":
+        """This state with the states of some parameters (`{index: state}`) replaced; untouched stacks keep
+        their arrays."""
+        stacks = list(self.stacks)
+        for g in sorted({self.layout.slot[u][0] for u in new}):
+            stack = self.layout.stacks[g]
+            stacks[g] = self._placed(g, stack_states([new[u] if u in new else self.param_state(u) for u in stack]))
+        return State(self.layout, self.rules, tuple(stacks), self.step)
+
+    def _placed(self, g: int, stack: Any, layout: Layout | None = None) -> Any:
+        """Stack `g` (of `layout`, by default this state's) put on its requested state sharding, if it has one
+        (`setup(..., state_sharding=fn)`): a restacked state keeps the placement `setup` gave it."""
+        lay = layout or self.layout
+        p = lay.params[lay.stacks[g][0]]
+        return place_stack(stack, p.state_place, p.shape) if p.state_place is not None else stack
+
+    def regroup(self, layout: Layout, rules: tuple) -> "State":
+        """This state with `rules` under `layout`, which has the same parameters in the same order but may
+        stack them differently (after `adjust` gave some parameters a rule of their own). A stack that is
+        unchanged keeps its arrays; another gathers its rows from the old stacks, one gather per run of rows
+        taken from one old stack (not one slice per parameter)."""
+        old = self.layout
+        where = {g: i for i, g in enumerate(old.stacks)}
+        stacks = []
+        for stack in layout.stacks:
+            if stack in where:
+                stacks.append(self.stacks[where[stack]])
+                continue
+            runs: list = []      # [(old stack, [rows])]
+            for u in stack:
+                g, k = old.slot[u]
+                if runs and runs[-1][0] == g:
+                    runs[-1][1].append(k)
+                else:
+                    runs.append((g, [k]))
+            treedef = jax.tree.structure(self.stacks[runs[0][0]])
+            nd = member_ndims(self, stack[0], treedef)
+            columns = zip(*[jax.tree.leaves(self.stacks[g]) for g, _ in runs])
+            stacks.append(self._placed(len(stacks), treedef.unflatten(
+                [_gather(col, [rows for _, rows in runs], nd[c]) for c, col in enumerate(columns)]), layout))
+        return State(layout, rules, tuple(stacks), self.step)
+
+    def tree_flatten_with_keys(self):
+        k = jax.tree_util.GetAttrKey
+        return ((k("rules"), self.rules), (k("stacks"), self.stored), (k("step"), self.step),
+                (k("packs"), self.packs)), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(layout, *children)
+
+    @property
+    def rule(self) -> Any:
+        """The rule, when the whole model uses one."""
+        if len(self.rules) != 1:
+            raise ValueError("this state uses several rules; look one up with state[path].rule")
+        return unwrap(self.rules[0])
+
+    def __getitem__(self, path: str) -> Leaf:
+        if not isinstance(path, str):
+            raise TypeError(f"state[...] takes a dotted path string, got {type(path).__name__}")
+        u = self.layout.param(path)
+        p = self.layout.params[u]
+        return Leaf(unwrap(self.rules[p.rule]), self.param_state(u), self.layout.frozen[u])
+
+    def __contains__(self, path: str) -> bool:
+        i = self.layout.index.get(path)
+        return i is not None and self.layout.param_of[i] >= 0
+
+    def paths(self) -> list[str]:
+        """The canonical path of every parameter, in flatten order."""
+        return [self.layout.paths[p.canonical] for p in self.layout.params]
+
+    def items(self) -> Iterator[tuple[str, Leaf]]:
+        """`(canonical_path, Leaf)` for every parameter."""
+        for path in self.paths():
+            yield path, self[path]
+
+    def ties(self) -> dict[str, tuple[str, ...]]:
+        """`{canonical_path: (other tied paths, ...)}` for every tie group of more than one position."""
+        paths = self.layout.paths
+        return {paths[p.canonical]: tuple(paths[i] for i in p.members[1:])
+                + tuple(paths[t.position] for t in p.transforms)
+                for p in self.layout.params if len(p.members) + len(p.transforms) > 1}
+
+    def __len__(self) -> int:
+        return len(self.layout.params)
+
+    __hash__ = None     # compares by value (`__eq__`), and its arrays are data: unhashable, as a dict of arrays
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, State):
+            return NotImplemented
+        if self is other:
+            return True
+        (a, ta), (b, tb) = jax.tree_util.tree_flatten(self), jax.tree_util.tree_flatten(other)
+        if ta != tb:        # the layout, and the rules' and state's structure
+            return False
+        if any(isinstance(v, jax.core.Tracer) for v in a + b):
+            raise TypeError("State == State compares values, which a traced state does not have (inside jit, "
+                            "vmap, grad); compare outside, or compare leaves with jnp.array_equal")
+        return all(_same_leaf(u, v) for u, v in zip(a, b))
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        positions = sum(len(p.members) + len(p.transforms) for p in lay.params)
+        lines = [f"State({len(lay.params)} parameters, {positions} positions)"]
+        for u, p in enumerate(lay.params):
+            shapes = self._describe_state(u)
+            flags = " frozen" if lay.frozen[u] else ""
+            tied = ""
+            if len(p.members) + len(p.transforms) > 1:
+                copies = [f"{lay.paths[t.position]} = {func_name(t.f)}(·)" for t in p.transforms]
+                tied = "  tied: " + ", ".join([lay.paths[i] for i in p.members[1:]] + copies)
+            lines.append(f"  {lay.paths[p.canonical] or '<root>'}: {jnp.dtype(p.dtype).name}{list(p.shape)} "
+                         f"{unwrap(self.rules[p.rule])!r} state={shapes}{flags}{tied}")
+        return "\n".join(lines)
+
+    def _describe_state(self, u: int) -> Any:
+        """Parameter `u`'s state as the repr shows it (shapes and dtypes). A state whose leaves are no longer
+        its stacked arrays (`jax.tree.map(lambda a: a.shape, state)`, a tree of shardings) has no rows to take:
+        then the leaves of `u`'s stack are shown as they are."""
+        try:
+            return jax.tree.map(describe, self.param_state(u))
+        except Exception:  # noqa: BLE001 (any leaves at all: a repr must not fail)
+            g = self.layout.slot[u][0]
+            return "<not arrays: its stack holds " + ", ".join(map(_short, jax.tree.leaves(self.stored[g]))) + ">"
+
+
+def _short(a: Any) -> str:
+    text = describe(a) if hasattr(a, "shape") and hasattr(a, "dtype") else repr(a)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Two leaves of equal states: arrays of one shape and dtype with equal values (NaN equal to NaN); anything
+    else (a state mapped to other leaves) by `==`."""
+    if hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(b, "shape") and hasattr(b, "dtype"):
+        if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+            return False
+        x, y = np.asarray(a), np.asarray(b)
+        nan = jnp.issubdtype(x.dtype, jnp.inexact)
+        return bool(np.array_equal(x, y, equal_nan=nan))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 (leaves that do not compare are not equal)
+        return False
+
+
+def member_ndims(state: State, u: int, treedef: Any) -> tuple[int, ...]:
+    """The ndim of each of one parameter's state arrays, without stacking (from the rule's init, see
+    `_init_shapes`): how `param_state` finds the stack axis behind any batch axes."""
+    p = state.layout.params[u]
+    got, shapes = _init_shapes(unwrap(state.rules[p.rule]), p.shape, p.dtype)
+    if got is not None and got == treedef:
+        return tuple(len(s) for s in shapes)
+    # an init that cannot be traced, or another structure: assume no batch axes
+    return tuple(np.ndim(a) - 1 for a in jax.tree.leaves(state.stack(state.layout.slot[u][0])))
+
+
+def _gather(arrays: tuple, rows: list, ndim: int) -> Any:
+    """Rows `rows[i]` of each `arrays[i]` (stacks whose member arrays have `ndim` axes, behind any batch axes),
+    concatenated along the stack axis. Host arrays stay on the host."""
+    axis = np.ndim(arrays[0]) - ndim - 1
+    host = all(isinstance(a, np.ndarray) for a in arrays)
+    parts = []
+    for a, r in zip(arrays, rows):
+        parts.append(a[(slice(None),) * axis + (row_index(r),)])
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts, axis) if host else jnp.concatenate([jnp.asarray(p) for p in parts], axis)
+
+
+def func_name(f: Callable) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+@register_for_export
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticRule:
+    """A user rule that is not a pytree, carried as static data (compared by identity)."""
+
+    rule: Any
+
+
+def unwrap(rule: Any) -> Any:
+    return rule.rule if isinstance(rule, StaticRule) else rule
+
+
+def leaf_paths(treedef) -> list[str]:
+    """Dotted paths of every leaf of `treedef` (two leaves may share one: see `Layout.ambiguous`)."""
+    return flatten(treedef.unflatten([0] * treedef.num_leaves))[0]
+
+
+def with_frozen(state: State, params: list[int], value: bool) -> State:
+    frozen = list(state.layout.frozen)
+    for u in params:
+        frozen[u] = value
+    lay = state.layout
+    return state.replace(layout=Layout(lay.treedef, lay.params, tuple(frozen), lay.wide))
+
+
+# 4096 (rule structure, shape, dtype): a large model has hundreds of distinct parameter kinds.
+_SHAPES = LRU(4096)
+
+
+def _init_shapes(rule: Any, shape: tuple, dtype: Any) -> tuple[Any, tuple | None]:
+    """`(treedef, per-leaf shapes)` of `rule.init` for one parameter, traced abstractly and cached per rule
+    structure, shape and dtype; `(None, None)` for an init that cannot be traced so."""
+    key = (jax.tree.structure(rule), shape, dtype)
+    got = _SHAPES.get(key)
+    if got is None:
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(rule.init, jax.ShapeDtypeStruct(shape, dtype)))
+            got = (treedef, tuple(tuple(a.shape) for a in leaves))
+        except Exception:
+            got = (None, None)
+        _SHAPES[key] = got
+    return got
+
+
+def _member_shapes(layout: Layout, rules: tuple, stacks: tuple) -> list:
+    """Per stack: one parameter's shape of each state leaf (flatten order), from the rule's init
+    (`_init_shapes`); None where that is unknown or the stack's structure differs (it is then stored as it is)."""
+    out = []
+    for g, stack in zip(layout.stacks, stacks):
+        p = layout.params[g[0]]
+        treedef, shapes = _init_shapes(unwrap(rules[p.rule]), p.shape, p.dtype)
+        out.append(shapes if treedef is not None and jax.tree.structure(stack) == treedef else None)
+    return out

@@ -1,0 +1,350 @@
+"""`update`: one jitted computation over the deduplicated parameters of a model.
+
+Reading order: `update` (what runs per call) -> `_core` (the traced computation: check the arrays, sum each
+tie's gradients once in `_tie_sums`, step each rule's stacks, write the new values back). How a rule's stacks
+step is the engine's: a registered strategy where one applies (`optim._engine.strategies`; on CPU the fused
+kernel, `optim._engine.fused`), else XLA's path (`optim._engine.xla`). The static plan that maps the model's
+positions and gradient leaves to parameters, built once per structure and cached, is `optim._core.program`; the
+norms of
+`return_stats=True` are `optim._core.stats`.
+
+Inside `_core`, each stack of parameters (`Layout.stacks`: same rule, shape, dtype, placement) runs its rule
+once, vmapped over the stack's state, so the program has a handful of kernels per stack plus one small kernel per
+parameter that writes its new value (on CPU, one kernel call per 64 parameters of the kernel's rules). Per call,
+`update` flattens the model and each gradient tree (C++), looks the plan up by treedefs, gathers the arrays it
+needs with `operator.itemgetter` (C speed, no per-leaf Python), calls the jitted `_core`, and puts the results
+back the same way. Everything shape- or dtype-dependent is checked while `_core` traces, which happens exactly
+when `jit`'s cache misses, so a valid call pays for no checks and an invalid one fails before anything runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import stats as stats
+from .._engine import strategies as strategies
+from .._engine import xla as xla
+from .._engine.pack import assemble, replace_groups
+from .program import Program, plan, take
+from .._rules.schedules import resolve
+from .._engine.stack import constrain, stack_arrays
+from .state import Layout, State, unwrap
+from .tree import PyTree, describe, show
+from .._rules.wrappers import joint_norm
+
+
+def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
+           return_grads: bool = False, return_stats: bool = False) -> tuple:
+    """Take one optimisation step: returns `(new_state, new_model)`; the inputs are not modified.
+
+    For every parameter (tie group), the gradients of all its positions are summed, the rule runs once, and
+    the new value is written to every position (eagerly, as one array object). `None` in place of a gradient
+    leaf or subtree means no step and an unchanged state; so does a frozen parameter. Extra gradient trees
+    (`more_grads`) are summed the same way and passed to the rule as `apply(state, x, dx, dx2, ...)`.
+
+    Called eagerly it compiles itself once per structure; inside `jax.jit`, `pmap` or `vmap` it traces like
+    any pure function. `donate=True` lets the eager call reuse the old state's and parameters' buffers (the
+    caller must not use them afterwards). `return_grads=True` also returns the summed gradients (see
+    `tie_grads`) as a third element.
+
+    `return_stats=True` also returns a dict of norms, computed in the same compiled program from the arrays
+    the step already reads, each parameter (tie group) counted once: `"grad_norm"` of the tie-summed gradients
+    that were applied (what `ClipGlobalNorm` sees), `"update_norm"` of `old - new` parameters, `"param_norm"`
+    of the new parameters (all of them, stepping or not), and `"per_param"`: `{canonical path: {"grad_norm",
+    "update_norm", "param_norm"}}` for every parameter (a parameter that took no step, for a `None` gradient or
+    frozen, has gradient and update norms 0). Norms are accumulated in float32 or wider. The result is
+    `(state, model, stats)`, or `(state, model, grads, stats)` with `return_grads=True`. Eagerly, the global
+    norms are device scalars and the per-parameter ones numpy scalars (one transfer, which waits for the step);
+    inside a jit, return the per-parameter norms only when you log them: each returned scalar is an output
+    XLA compiles on its own (seconds per thousand).
+
+    >>> import jax, jax.numpy as jnp, optim
+    >>> w = jnp.array([1.0, 2.0])
+    >>> model = {"emb": w, "head": w, "b": jnp.zeros(2)}    # emb and head: one parameter
+    >>> state = optim.setup(optim.Descent(0.25), model)
+    >>> grads = {"emb": jnp.ones(2), "head": jnp.ones(2), "b": None}   # None: no step for b
+    >>> state, model = optim.update(state, model, grads)
+    >>> model["emb"], model["emb"] is model["head"], model["b"]       # the tie's gradients are summed
+    (Array([0.5, 1.5], dtype=float32), True, Array([0., 0.], dtype=float32))
+    >>> state, model = jax.jit(optim.update)(state, model, grads)     # the same inside jit
+    >>> model["head"]
+    Array([0., 1.], dtype=float32)
+    >>> state, model, stats = optim.update(state, model, grads, return_stats=True)
+    >>> [round(float(v), 4) for v in (stats["grad_norm"], stats["update_norm"], stats["param_norm"])]
+    [2.8284, 0.7071, 0.7071]
+    >>> {k: round(float(v), 4) for k, v in stats["per_param"]["emb"].items()}    # the tie counts once
+    {'grad_norm': 2.8284, 'update_norm': 0.7071, 'param_norm': 0.7071}
+    """
+    prog, leaves, treedef, flat = plan(state, model, (grads, *more_grads), "update")
+    gs = tuple(take(g, t) for g, t in zip(flat, prog.grad_take))
+    k = 1 if donate else 0
+    run = prog.jitted[k] or _jitted(prog, k)
+    # The fused kernel (optim._engine.fused) updates in place where the buffers are donated: eagerly with donate=True,
+    # and inside a caller's jit (a train step usually donates; one that does not costs XLA a copy). An eager call
+    # that keeps its inputs has the kernel write beside them instead.
+    traced = isinstance(state.step, jax.core.Tracer)
+    try:
+        new_stacks, new_packs, new_params, step, summed, norms = run(
+            (bool(return_grads), bool(return_stats), bool(donate) or traced, traced), state.rules,
+            take(state.stored, prog.step_stacks), state.packs, take(leaves, prog.param_pos),
+            take(leaves, prog.check_pos), gs, state.step)
+    except TypeError:
+        _check_arrays(prog, leaves, gs, "update")   # jit names a bad argument `grads[0][0]`: name its path
+        raise
+    except jax.errors.JaxRuntimeError:              # refused before it ran: nothing was donated or computed
+        if donate:
+            _check_donation(prog, leaves, gs)
+        raise
+    new_leaves = take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
+    out = (State(state.layout, state.rules, take(new_stacks + state.stored, prog.stack_src), step,
+                 replace_groups(state.packs, new_packs)),
+           treedef.unflatten(new_leaves))
+    if return_grads:
+        out += (_grad_tree(prog, summed, treedef),)
+    if return_stats:
+        out += (stats.as_dict(state.layout, norms),)
+    return out
+
+
+def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTree:
+    """The gradient of each parameter, summed over its tie group, in the model's structure: the summed
+    gradient at each canonical path and `None` at other tied positions, non-trainable leaves and parameters
+    without a gradient (Optimisers.jl #211). Feed it to `optax.global_norm` to log a norm that counts each
+    parameter once, or back to `update` as an already-summed gradient. `model` is needed only for ties
+    through a function (the pull-back is evaluated at the canonical value).
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.zeros(2)
+    >>> state = optim.setup(optim.Adam(), {"a": w, "b": w, "n": 1})
+    >>> optim.tie_grads(state, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "n": None})
+    {'a': Array([4., 6.], dtype=float32), 'b': None, 'n': None}
+    """
+    if model is None:
+        if any(p.transforms for p in state.layout.params):
+            raise ValueError("tie_grads: this state has ties through a function; pass model= to pull them back")
+        model = state.layout.treedef.unflatten([0] * state.layout.treedef.num_leaves)
+        params_needed = False
+    else:
+        params_needed = True
+    prog, leaves, treedef, flat = plan(state, model, (grads,), "tie_grads", check_model=params_needed)
+    xs = take(leaves, prog.param_pos) if params_needed else tuple(
+        jax.ShapeDtypeStruct(state.layout.params[u].shape, state.layout.params[u].dtype) for u in prog.graded)
+    gs = (take(flat[0], prog.grad_take[0]),)
+    try:
+        summed = (prog.jitted[2] or _jitted(prog, 2))(xs, gs)
+    except TypeError:
+        _check_arrays(prog, leaves if params_needed else None, gs, "tie_grads")
+        raise
+    return _grad_tree(prog, summed, treedef)
+
+
+def global_norm(grads: PyTree, state: State | None = None) -> jax.Array:
+    """The 2-norm of a whole gradient tree. With `state`, each parameter counts once, with the gradient summed
+    over its tie group (`optax.global_norm` counts a tied weight once per position, with its partial gradient).
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.zeros(2)
+    >>> state = optim.setup(optim.Adam(), {"enc": w, "dec": w})
+    >>> g = {"enc": jnp.array([3.0, 4.0]), "dec": jnp.array([3.0, 4.0])}
+    >>> float(optim.global_norm(g, state)), round(float(optim.global_norm(g)), 4)
+    (10.0, 7.0711)
+    """
+    leaves = jax.tree.leaves(tie_grads(state, grads) if state is not None else grads)
+    return joint_norm([jnp.asarray(g) for g in leaves])
+
+
+def _check_arrays(prog: Program, leaves: list | None, grads: tuple, who: str) -> None:
+    """After jit refused an argument: raise a TypeError naming the model path of a gradient (or parameter) that
+    is not an array. Checked only on failure, so a valid call pays nothing for it."""
+    def ok(v: Any) -> bool:
+        return isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+    for t, tree in enumerate(grads):
+        for k, g in enumerate(tree):
+            if not ok(g):
+                tree_name = "grads" if t == 0 else f"gradient tree {t + 1}"
+                raise TypeError(f"{who}: {tree_name} has {type(g).__name__} {_short(g)} at "
+                                f"{show(prog.grad_paths[t][k])}, where the model has a parameter; a gradient is an "
+                                "array (or None for no step)")
+    lay = prog.layout
+    for i in (prog.param_pos + prog.check_pos) if leaves is not None else ():
+        if not ok(leaves[i]):
+            raise TypeError(f"{who}: model leaf {show(lay.paths[i])} is {type(leaves[i]).__name__} "
+                            f"{_short(leaves[i])}, but the state was set up with an array there")
+
+
+def _check_donation(prog: Program, leaves: list, grads: tuple) -> None:
+    """After XLA refused a donated call: raise a ValueError naming a gradient that is the very array of a
+    parameter `donate=True` gives away (XLA cannot read a buffer it was given to overwrite)."""
+    donated = {id(leaves[i]): i for i in prog.param_pos}
+    for t, tree in enumerate(grads):
+        for k, g in enumerate(tree):
+            if id(g) in donated:
+                raise ValueError(f"update: the gradient at {show(prog.grad_paths[t][k])} is the array of the "
+                                 f"parameter at {show(prog.layout.paths[donated[id(g)]])}, which donate=True gives "
+                                 "away to be overwritten; pass a copy (jnp.array(x)) or donate=False")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _grad_tree(prog: Program, summed: tuple, treedef) -> PyTree:
+    out: list = [None] * treedef.num_leaves
+    for g, u in zip(summed, prog.graded):
+        out[prog.layout.params[u].canonical] = g
+    return treedef.unflatten(out)
+def _check_param(x: Any, lay: Layout, i: int) -> None:
+    p = lay.params[lay.param_of[i]]
+    shape, dtype = p.shape, p.dtype
+    for t in p.transforms:
+        if t.position == i:
+            shape, dtype = t.shape, t.dtype
+    # Compared as JAX will store it: a numpy float64 model under 32-bit JAX was set up as float32.
+    if not hasattr(x, "shape") or tuple(x.shape) != shape or jax.dtypes.canonicalize_dtype(x.dtype) != dtype:
+        raise ValueError(f"update: model leaf {show(lay.paths[i])} is {describe(x)} but the state was set up for "
+                         f"{jnp.dtype(dtype).name}{list(shape)} (a state set up for a different model?)")
+
+
+def _prep_grad(g: Any, x: Any, path: str, f: Any) -> jax.Array:
+    """Validate one gradient leaf against its position and cast it to the parameter's dtype."""
+    g = jnp.asarray(g)
+    want = jax.eval_shape(f, x) if f is not None else x
+    if g.dtype == jax.dtypes.float0 or not jnp.issubdtype(g.dtype, jnp.inexact):
+        raise TypeError(f"gradient at {show(path)} has dtype {g.dtype}, expected a floating dtype "
+                        f"for the {describe(want)} parameter")
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(want.dtype, jnp.complexfloating):
+        raise TypeError(f"gradient at {show(path)} is complex but the parameter is real ({describe(want)})")
+    if g.shape != want.shape:
+        raise ValueError(f"gradient at {show(path)} has shape {tuple(g.shape)}, "
+                         f"expected {tuple(want.shape)} like the parameter")
+    return g.astype(want.dtype)
+
+
+def _tie_sums(prog: Program, xs: tuple, grads: tuple) -> tuple[list[tuple], list[tuple]]:
+    """The one place tied gradients are summed. Per graded parameter: its summed gradient in each tree (its
+    positions' gradients, a position tied through a function pulled back through that function's VJP at the
+    canonical value), and its first tree's gradient as *parts*: the positions' gradients themselves where there
+    are at most two and none is tied through a function (a strategy may add them in its own pass over the
+    parameter; XLA then drops the unread sum), else the sum alone."""
+    summed, parts = [], []
+    for a, x in enumerate(xs):
+        per_tree = []
+        for t, tree in enumerate(grads):
+            gs = []
+            for k, f in prog.grad_slots[t][a]:
+                g = _prep_grad(tree[k], x, prog.grad_paths[t][k], f)
+                gs.append(g if f is None else jax.vjp(f, x)[1](g)[0])
+            per_tree.append(functools.reduce(operator.add, gs).astype(x.dtype) if gs else jnp.zeros(x.shape, x.dtype))
+            if t == 0:
+                plain = 0 < len(gs) <= 2 and all(f is None for _, f in prog.grad_slots[0][a])
+                parts.append(tuple(gs) if plain else (per_tree[0],))
+        summed.append(tuple(per_tree))
+    return summed, parts
+
+
+def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+          params: tuple, checks: tuple, grads: tuple, step: Any):
+    lay = prog.layout
+    for i, x in zip(prog.check_pos, checks):
+        _check_param(x, lay, i)
+    for u, x in zip(prog.graded, params):
+        _check_param(x, lay, lay.params[u].canonical)
+    summed, parts = _tie_sums(prog, params, grads)
+    for a, u in enumerate(prog.graded):
+        # A requested state sharding (setup's state_sharding=): the summed gradients are pinned to the parameter's
+        # own sharding (replicated, for ZeRO-1), so that the sharded state does not propagate back into the
+        # caller's forward and backward passes (with Auto mesh axes XLA would otherwise repartition them).
+        if lay.params[u].state_place is not None:
+            summed[a] = tuple(constrain(g, lay.params[u].place) for g in summed[a])
+    rules = resolve(tuple(unwrap(r) for r in rules), step)
+    by_rule: dict[int, list[int]] = {}
+    for j, g in enumerate(prog.step_stacks):
+        by_rule.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
+    new_stacks: list = [None] * len(prog.step_stacks)
+    new_params: list = [None] * len(prog.stepping)
+    want_grads, want_stats, in_place, traced = wants
+    # Traced, a tied parameter's other positions are outputs of the caller's program too: per stepping
+    # parameter, the arrays at those positions (see `optim._engine.xla.mirrors`), else nothing.
+    mirrors = [tuple(checks[k] for k in ks) if traced else () for ks in prog.mirror_pos]
+    new_mirrors: list = [()] * len(prog.stepping)
+    squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
+    pack_rows: list = []      # new rows of the packs (see optim._engine.pack), from the stacks that step
+    for r, js in by_rule.items():
+        stk = [stacks[j] for j in js]
+        ms = [tuple(mirrors[a] for a in prog.stack_plan[j][2]) for j in js]
+        xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
+        gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
+        sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
+        firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
+        # The engine: a registered strategy that runs this rule here (optim._engine.strategies: on CPU, optim's fused
+        # kernel), else XLA's path (optim._engine.xla), both returning the same structure.
+        strategy = strategies.choose(rules[r], firsts, stk, sizes, len(grads))
+        if strategy is not None:
+            ps = [tuple(parts[a] for a in prog.stack_plan[j][1]) for j in js]
+            out = strategy.run(prog, rules[r], js, in_place, stk, packs, xs, gs, ps, ms)
+        else:
+            out = xla.rule_step(prog, rules[r], js, stk, packs, xs, gs)
+            out += (xla.mirrors(out[1], ms),)
+        for j, st, new, new_ms in zip(js, *out[:2], out[3]):
+            new_stacks[j] = st
+            for a, x, m in zip(prog.stack_plan[j][2], new, new_ms):
+                new_params[a] = x
+                new_mirrors[a] = m
+        # Whole pack groups, each from one array (see `optim._engine.xla.rule_step`).
+        pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in out[2].items()
+                      for t, a in enumerate(group)]
+        if want_stats:
+            for j, x, g in zip(js, xs, gs):
+                # Reductions per stack over its gradients, old and new values (the new ones as written, so the
+                # step is not recomputed): a few kernels per stack, not per parameter.
+                squares[j] = stats.row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
+                                          stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
+    new_packs = assemble(packs, pack_rows)
+    copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
+    grads_out = tuple(s[0] for s in summed) if want_grads else ()
+    norms = stats.norms(prog, squares, params, checks) if want_stats else ()
+    # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
+    return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
+            jnp.asarray(step, jnp.int32) + jnp.int32(1),
+            grads_out, norms)
+
+
+def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:
+    return tuple(s[0] for s in _tie_sums(prog, xs, grads)[0])
+
+
+def _jitted(prog: Program, k: int) -> Any:
+    """Make `prog.jitted[k]`: 0 runs `_core`, 1 runs it donating the state stacks and parameters, 2 `_sums_core`.
+    The packs are not donated: a call returns only the pack groups it writes, and they are a few numbers each.
+
+    Each Program owns its jitted functions, and JAX keeps a function's traces and executables only while the
+    function lives (its caches hold functions weakly), so evicting a Program from `_PROGRAMS` frees what was
+    compiled for it. (A global `jax.jit(_core, static_argnums=0)` would keep every Program it has seen, with its
+    executables, alive as a static argument in JAX's caches.) The functions reach the Program through a weak
+    reference, so there is no reference cycle: the memory goes at eviction, not at some later `gc` pass.
+    """
+    ref = weakref.ref(prog)
+    if k == 2:
+        f = jax.jit(functools.partial(_sums_of, ref))
+    else:
+        f = jax.jit(functools.partial(_core_of, ref), static_argnums=0, donate_argnums=(2, 4) if k else ())
+    prog.jitted[k] = f
+    return f
+
+
+def _core_of(ref: weakref.ref, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+             params: tuple, checks: tuple, grads: tuple, step: Any):
+    return _core(ref(), wants, rules, stacks, packs, params, checks, grads, step)
+
+
+def _sums_of(ref: weakref.ref, xs: tuple, grads: tuple) -> tuple:
+    return _sums_core(ref(), xs, grads)

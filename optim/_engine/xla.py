@@ -1,0 +1,87 @@
+"""XLA's path: a rule's own JAX code run on its stepping stacks, which XLA compiles (optim._core.update's default).
+
+Each stack runs the rule once, vmapped over its stepping rows (`apply_all`), with the rule's small arithmetic
+hoisted to once per pack where the rule allows (optim._engine.hoist); the step is then applied to each parameter's own
+array, so XLA writes every new parameter in one fused loop. Always correct, for every rule, platform and
+sharding: the reference the engine's strategies (optim._engine.strategies) are tested against, and what they fall back
+to where they do not apply (a program lowered for another platform, a derivative through the step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import hoist as hoist
+from .pack import assemble, pinned
+from .stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
+from .._rules.protocol import apply_step, step_row
+
+__all__ = ["rule_step", "mirrors", "key"]
+
+
+def key() -> tuple[bool, ...]:
+    """The switches of this path that change its program (part of the program cache's key)."""
+    return (hoist.ENABLED,)
+
+
+def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: list, gs: list):
+    """XLA's path for the stepping stacks `js` of one rule: per stack `j` (its stored state `stacks`, its
+    stepping members' parameters `xs` and summed gradients per tree `gs`), the rule runs once on its stepping
+    rows. Returns `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups
+    whole, so that this and a strategy's code return the same structure (optim._engine.kernel_choice needs it)."""
+    lay = prog.layout
+    sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
+    rows = [prog.stack_plan[j][0] for j in js]
+    xx = [stack_arrays(list(x)) for x in xs]
+    # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
+    dxs = [tuple(stack_arrays([_conj(d[t]) for d in g]) for t in range(len(g[0]))) for g in gs]
+    places = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
+    # The rule's step per stack, in the state's stored form (packed small leaves: optim._engine.pack), its small
+    # arithmetic run once per pack where the rule allows (optim._engine.hoist).
+    results, written = hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs)
+    written = pinned(written, stacks, [p.state_place for p in places])
+    new_stacks, new_params = [], []
+    for j, stack, n, x, (st, d) in zip(js, stacks, sizes, xs, results):
+        rows = prog.stack_plan[j][0]
+        new = put_rows(stack, rows, _same_dtypes(st, take_rows(stack, rows, n)), n)
+        # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
+        # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
+        # requested sharding and the parameters to the sharding they had at setup (an all-gather per
+        # parameter for ZeRO-1).
+        first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
+        if first.state_place is not None:
+            new = constrain_stack(new, first.state_place, first.shape)
+        new_stacks.append(new)
+        # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
+        # update into one kernel per leaf that writes the new parameter directly.
+        new_x = [apply_step(xm, step_row(d, m)) for m, xm in enumerate(x)]
+        if first.state_place is not None:
+            new_x = [constrain(v, lay.params[prog.stepping[a]].place)
+                     for v, a in zip(new_x, prog.stack_plan[j][2])]
+        new_params.append(tuple(new_x))
+    return new_stacks, new_params, assemble(packs, written)
+
+
+def mirrors(new_params: list, ms: list) -> list:
+    """XLA's path's values for the tied positions `_core` returns when traced: per stack, per stepping member
+    (its new value `new_params[i][m]`, the arrays at its tied positions `ms[i][m]`), the new value once per such
+    position (XLA copies it into a buffer of its own). The kernel writes them itself, into those positions'
+    donated buffers (optim/_engine/fused.cc): no copy after the step, and no fresh buffer whose pages are faulted in on
+    every step."""
+    return [tuple((x,) * len(m) for x, m in zip(new, mj)) for new, mj in zip(new_params, ms)]
+
+
+def _same_dtypes(new: Any, old: Any) -> Any:
+    """Keep each state leaf's dtype (a rule computing in float32 must not turn a bfloat16 state into float32,
+    which would also retrace every step)."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        return new
+    return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") and n.dtype != o.dtype else n,
+                        new, old)
+
+
+def _conj(g: jax.Array) -> jax.Array:
+    return jnp.conj(g) if jnp.iscomplexobj(g) else g

@@ -1,0 +1,2 @@
+"""Checkpoint I/O: `save` / `load` files and `state_dict` trees (orbax).
+"""

@@ -1,0 +1,23 @@
+"""The rules: the protocol (`init` / `apply`), hyperparameters and schedules, the per-leaf formulas by family,
+and the rules made of rules (chains, wrappers, EMA).
+
+Per-leaf rules are pure `init(x) -> state` and `apply(state, x, dx, *dxs) -> (state, step)` over one parameter.
+
+The new parameter is `x - step` (the protocol is in `protocol.py`). Formulas and defaults follow Optimisers.jl
+v0.4 (Lion follows its paper): `sgd.py`, `adaptive.py`, `adam.py`, `transforms.py`. Muon, Lamb and Lars are in
+`layerwise.py`, Adafactor in `adafactor.py`, ScheduleFreeAdamW in `schedule_free.py` (they follow optax); rules
+made of rules in `wrappers.py` and `average.py`.
+Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
+step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`), `m̂ = m / (1 - bt₁)` and
+`v̂ = v / (1 - bt₂)`. Hyperparameters are numbers, arrays or schedules (`Hyper`);
+ranges are checked when a rule is built and when `adjust` changes them.
+
+Gradients reach `apply` already summed over a tie group, cast to the parameter's dtype and, for complex
+parameters, conjugated: JAX's gradient of a real loss w.r.t. a complex `w` is the conjugate of the steepest
+descent direction, so after conjugation `x - η g` descends, as in Optimisers.jl and PyTorch. Rules compute in
+the parameter's real dtype but at least float32 (`protocol.compute_dtype`); states keep their storage dtype.
+
+States are named tuples (`AdamState(mu, nu, bt)`: `state["w"].state.mu`), which index like the plain tuples
+of earlier versions (files written by `optim.save` then still load). Moment storage dtypes (`mu_dtype`,
+`nu_dtype`) are described in `optim._rules.moments`.
+"""

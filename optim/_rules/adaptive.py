@@ -1,0 +1,157 @@
+"""Rules that scale by a running second moment, without a first: `RMSProp`, `AdaGrad`, `AdaDelta`.
+
+The protocol, the notation and the conventions all rules share are in `optim._rules` (the package docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from .._core.export import register_for_export
+from .schedules import Hyper
+from .protocol import Rule, abs2, eps_of, real_dtype, zeros_real, as_compute
+
+__all__ = ["RMSProp", "AdaGrad", "AdaDelta"]
+
+
+# Named per-parameter states: `state["w"].state.mu` reads as the docstrings do, and `state_dict` keys by name.
+# They flatten like the tuples they replaced (same leaves, same order), so stacking, vmap and old files agree.
+@register_for_export
+class RMSPropState(NamedTuple):
+    quad: Any            # running mean of |g|²
+    lin: Any             # running mean of g (centred), else None
+
+
+@register_for_export
+class AdaDeltaState(NamedTuple):
+    acc_grad: Any        # running mean of |g|²
+    acc_step: Any        # running mean of |step|²
+
+
+class RMSProp(Rule):
+    """RMSProp: `q ← ρ q + (1 - ρ)|g|²`, `step = η g / (√q + ε)`; `centred=True` also tracks `l ← ρ l + (1 - ρ) g`
+    and uses `√(q - |l|²)`. ε is outside the square root and ρ defaults to 0.9.
+
+    Args:
+        lr: learning rate η, default 0.001, >= 0.
+        rho: decay ρ of the running averages, default 0.9, in [0, 1].
+        eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+        centred: subtract the squared running mean of `g` (Graves' centred form), default False (structural).
+
+    State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (real dtype), and when centred `l`, the
+    running mean of `g` (else `None`); both start at 0.
+
+    Reference: T. Tieleman, G. Hinton, "Lecture 6.5 — RMSProp: divide the gradient by a running average of its
+    recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012,
+    https://www.cs.toronto.edu/~tijmen/csc321/slides/lecture_slides_lec6.pdf. Centred: A. Graves, "Generating
+    Sequences With Recurrent Neural Networks", 2013, https://arxiv.org/abs/1308.0850
+
+    optax: equals `optax.rmsprop(η, decay=ρ, eps=ε, eps_in_sqrt=False)` (centred: `centered=True`); optax's
+    default puts ε inside the square root.
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.RMSProp(0.1), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x.round(4)     # the first step is η sign(g) / √(1 - ρ)
+    Array([0.6838, 2.3162], dtype=float32)
+    """
+
+    lr: Hyper = 0.001
+    rho: Hyper = 0.9
+    eps: Hyper = 1e-8
+    centred: bool = False
+    _static = ("centred",)
+    _flags = ("centred",)
+    _nonneg = ("lr", "eps")
+    _decay = ("rho",)
+
+    def init(self, x):
+        return RMSPropState(zeros_real(x), jnp.zeros_like(x) if self.centred else None)
+
+    def apply(self, state, x, dx, *dxs):
+        q, l = state
+        rho = as_compute(self.rho, x)
+        q = rho * q + (1 - rho) * abs2(dx)
+        if self.centred:
+            l = rho * l + (1 - rho) * dx
+            q_eff = q - abs2(l)
+        else:
+            q_eff = q
+        return RMSPropState(q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + eps_of(self.eps, x))
+
+
+class AdaGrad(Rule):
+    """AdaGrad: `acc ← acc + |g|²` (starting at ε), `step = η g / (√acc + ε)`.
+
+    Args:
+        lr: learning rate η, default 0.1, >= 0.
+        eps: ε, the accumulator's start and the denominator's offset, default 1e-8, >= 0 (offset at least 1e-7
+            for 16-bit parameters).
+
+    State: `acc`, the sum of `|g|²` (real dtype), starting at ε.
+
+    Reference: J. Duchi, E. Hazan, Y. Singer, "Adaptive Subgradient Methods for Online Learning and Stochastic
+    Optimization", JMLR 12, 2011, https://jmlr.org/papers/v12/duchi11a.html
+
+    optax: adds eps inside `rsqrt` and starts the accumulator at 0.1; the closest is
+    `optax.adagrad(η, initial_accumulator_value=ε, eps=0)`, which differs by the factor √acc / (√acc + ε).
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.AdaGrad(0.1), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x
+    Array([0.9, 2.1], dtype=float32)
+    """
+
+    lr: Hyper = 0.1
+    eps: Hyper = 1e-8
+    _nonneg = ("lr", "eps")
+
+    def init(self, x):
+        return jnp.full(x.shape, self.eps, real_dtype(x))
+
+    def apply(self, acc, x, dx, *dxs):
+        acc = acc + abs2(dx)
+        return acc, dx * as_compute(self.lr, x) / (jnp.sqrt(acc) + eps_of(self.eps, x))
+
+
+class AdaDelta(Rule):
+    """AdaDelta (no learning rate): `a ← ρ a + (1 - ρ)|g|²`, `step = g √(d + ε) / √(a + ε)`,
+    then `d ← ρ d + (1 - ρ)|step|²`.
+
+    Args:
+        rho: decay ρ of the running averages, default 0.9, in [0, 1].
+        eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
+
+    State: `AdaDeltaState(acc_grad, acc_step)`: running means of `|g|²` and of `|step|²` (real dtype), both starting
+    at 0.
+
+    Reference: M. D. Zeiler, "ADADELTA: An Adaptive Learning Rate Method", 2012,
+    https://arxiv.org/abs/1212.5701
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.AdaDelta(), x)
+    >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
+    >>> x.round(5)     # the first steps are small: √ε / √(1 - ρ)
+    Array([0.99968, 2.00032], dtype=float32)
+    """
+
+    rho: Hyper = 0.9
+    eps: Hyper = 1e-8
+    _nonneg = ("eps",)
+    _decay = ("rho",)
+
+    def init(self, x):
+        return AdaDeltaState(zeros_real(x), zeros_real(x))
+
+    def apply(self, state, x, dx, *dxs):
+        a, d = state
+        rho, eps = as_compute(self.rho, x), eps_of(self.eps, x)
+        a = rho * a + (1 - rho) * abs2(dx)
+        step = dx * jnp.sqrt(d + eps) / jnp.sqrt(a + eps)
+        return AdaDeltaState(a, rho * d + (1 - rho) * abs2(step)), step

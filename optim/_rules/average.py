@@ -1,0 +1,144 @@
+"""Averaged parameters: `EMA` keeps an exponential moving average of each parameter in its state, and
+`averaged(state, model)` returns the model to evaluate with (a rule keeps an average by defining
+`average(state, x)`; see `optim._rules.protocol.average_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._core.export import register_for_export
+from .._core.cache import memoize
+from .schedules import Hyper
+from .._engine.stack import stack_arrays
+from .._core.state import Layout, State, unwrap
+from .protocol import Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute, average_of, is_rule
+from .._core.tree import PyTree
+
+__all__ = ["EMA", "averaged"]
+
+
+@register_for_export
+class EMAState(NamedTuple):
+    inner: Any           # the wrapped rule's state
+    average: Any         # the moving average of the parameter
+
+
+class EMA(Rule):
+    """Run `rule`, and keep an exponential moving average of each parameter's value after every step:
+    `a ← δ a + (1 - δ) x_new`, starting from the parameter's value at `setup` (so there is no bias to
+    correct). The steps are `rule`'s; `optim.averaged(state, model)` returns the model with each parameter
+    replaced by its average, to evaluate with. A call with no step for a parameter (a `None` gradient, frozen,
+    an `AccumGrad` call that only accumulates, a step skipped by `SkipNonFinite`) leaves its average as is.
+
+    Args:
+        rule: the rule that takes the steps (required, positional).
+        decay: δ, default 0.999, in [0, 1] (adjustable, or a schedule: a warmup of the decay such as
+            `Linear(0.9, 0.999, 1000)` lets the average follow the fast early changes).
+
+    State: `EMAState(inner, average)`: `rule`'s state and the average, in the parameter's dtype or float32 if
+    that is wider (a bfloat16 average would round away updates smaller than its precision).
+
+    optax: the average of `optax.ema(δ, debias=False)` fed with the parameters after each step, its state
+    starting at the initial parameters.
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.array([1.0, 2.0])
+    >>> state = optim.setup(optim.EMA(optim.Descent(1.0), decay=0.5), x)
+    >>> for _ in range(2):
+    ...     state, x = optim.update(state, x, jnp.array([1.0, 1.0]))
+    >>> x, optim.averaged(state, x)      # 0.5 (0.5 · 1 + 0.5 · 0) + 0.5 · (-1) = -0.25
+    (Array([-1.,  0.], dtype=float32), Array([-0.25,  0.75], dtype=float32))
+    """
+
+    rule: Any = None
+    decay: Hyper = 0.999
+    _across = False     # per parameter; its inner rule may look across
+    _decay = ("decay",)
+
+    def __init__(self, rule: Any, decay: Hyper = 0.999):
+        if not is_rule(rule):
+            raise TypeError(f"EMA: rule must be a rule (it needs init and apply), got {rule!r}; "
+                            "write EMA(Adam(1e-3), decay=0.999)")
+        object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "decay", decay)
+        self.__post_init__()
+
+    def init(self, x):
+        return EMAState(self.rule.init(x), x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+    def apply(self, state, x, dx, *dxs):
+        return apply_one(self, state, x, (dx, *dxs))
+
+    def apply_tree(self, states, xs, dxs):
+        inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
+        new = []
+        for (_, avg), x, st, step in zip(states, xs, inner, steps):
+            if step is not None:
+                d = as_compute(self.decay, avg)
+                moved = d * avg + (1 - d) * apply_step(x, step).astype(avg.dtype)
+                avg = where_leading(step.ok, moved, avg) if isinstance(step, Gated) else moved
+            new.append(EMAState(st, avg))
+        return new, steps
+
+    def average(self, state, x):
+        return state[1].astype(x.dtype)
+
+
+def averaged(state: State, model: PyTree) -> PyTree:
+    """The model to evaluate: each parameter whose rule keeps an average (`EMA`, possibly inside chains and
+    other wrappers) replaced by that average, every other leaf as in `model`. Ties are kept: a tie group's
+    average is written to each member (eagerly, as one array object; a position tied through a function gets
+    `f(average)`). Works eagerly (compiled once per structure) and inside `jit`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> w = jnp.array([1.0, 2.0])
+    >>> model = {"emb": w, "head": w, "n": 3}
+    >>> state = optim.setup(optim.EMA(optim.Descent(0.1), decay=0.9), model)
+    >>> state, model = optim.update(state, model, {"emb": jnp.ones(2), "head": jnp.ones(2), "n": None})
+    >>> avg = optim.averaged(state, model)
+    >>> avg["emb"], avg["emb"] is avg["head"], avg["n"]     # 0.9 · 1 + 0.1 · 0.8 = 0.98
+    (Array([0.98, 1.98], dtype=float32), True, 3)
+    """
+    from .._core.program import flatten_like    # _core.program imports the engine, which imports the rules
+
+    if not isinstance(state, State):
+        raise TypeError(f"averaged: expected the State from optim.setup, got {type(state).__name__}")
+    lay = state.layout
+    leaves, treedef = flatten_like(lay, model, "averaged")
+    new = _averager(lay)(state.rules, state.stacks, tuple(leaves[p.canonical] for p in lay.params))
+    if all(a is None for a in new):
+        raise ValueError("averaged: no rule in this state keeps an average of the parameters; wrap the rule: "
+                         "optim.setup(optim.EMA(rule, decay=0.999), model)")
+    out = list(leaves)
+    for p, a in zip(lay.params, new):
+        if a is None:
+            continue
+        for i in p.members:
+            out[i] = a
+        for t in p.transforms:
+            out[t.position] = t.f(a)
+    return treedef.unflatten(out)
+
+
+# 32 layouts: a run averages one or two models; each entry holds a compiled program.
+@memoize(32)
+def _averager(lay: Layout) -> Any:
+    """The jitted computation of every parameter's average for this layout (cached; evicting one frees its
+    compiled program)."""
+    return jax.jit(lambda rules, stacks, xs: _averages(lay, rules, stacks, xs))
+
+
+def _averages(lay: Layout, rules: tuple, stacks: tuple, xs: tuple) -> tuple:
+    """Per parameter, its average or None; each stack's rows at once (vmapped over the stack)."""
+    out: list = [None] * len(lay.params)
+    for stack, st in zip(lay.stacks, stacks):
+        rule = unwrap(rules[lay.params[stack[0]].rule])
+        avg = jax.vmap(lambda s, x, rule=rule: average_of(rule, s, x))(st, stack_arrays([xs[u] for u in stack]))
+        if avg is not None:
+            for k, u in enumerate(stack):
+                out[u] = avg[k]
+    return tuple(out)

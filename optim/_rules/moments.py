@@ -1,0 +1,107 @@
+"""Moments: how rules store running averages of gradients.
+
+- Storage dtypes (`mu_dtype`, `nu_dtype`): the Adam family (Adam, AdamW, NAdam, RAdam, AMSGrad, AdaBelief) takes
+  both, Lion, Momentum, Muon and Adafactor take `mu_dtype`. They are real floating dtypes or None (the default:
+  the parameter's dtype, its real dtype for second moments), structural (a dtype changes the program, `adjust`
+  refuses it), and checked when the rule is built. `load` reads a stored moment in the wider of its dtype and
+  the compute dtype (a bfloat16 moment is updated in float32, a float64 run is not truncated); rules compute the
+  step from the unrounded new moments and `store` rounds them to their storage dtype (as optax's `mu_dtype`).
+  A complex parameter's first moment is complex: `mu_dtype` float32 / float64 stores it as complex64 /
+  complex128; a 16-bit `mu_dtype` has no complex counterpart and is a `TypeError` at `setup`.
+- Adam's moment updates and the running powers `(β₁ᵗ, β₂ᵗ)` of its bias correction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .protocol import abs2, compute_dtype, pair_of, real_dtype
+
+__all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next",
+           "debias"]
+
+
+# ----------------------------------------------------------------------------------------------- storage dtypes
+COMPLEX_OF = {jnp.dtype(jnp.float32): jnp.dtype(jnp.complex64), jnp.dtype(jnp.float64): jnp.dtype(jnp.complex128)}
+
+
+def dtype_arg(owner: str, name: str, v: Any) -> Any:
+    """A `mu_dtype` / `nu_dtype` argument in stored form: None, or a real floating `jnp.dtype`."""
+    if v is None:
+        return None
+    try:   # a dtype, a scalar type (jnp.bfloat16) or a name ("bfloat16"); not an array, whose dtype jnp.dtype reads
+        d = jnp.dtype(v) if isinstance(v, (np.dtype, type, str)) else None
+    except (TypeError, ValueError):
+        d = None
+    if d is None or not jnp.issubdtype(d, jnp.floating):
+        raise TypeError(f"{owner}: {name} must be a real floating dtype (jnp.bfloat16, jnp.float32, ...) or None, "
+                        f"got {v!r}")
+    return d
+
+
+class StateDtypes:
+    """Mixin of the rules with `mu_dtype` (and `nu_dtype`) fields: checks them at construction."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("mu_dtype", "nu_dtype"):
+            if hasattr(self, name):
+                object.__setattr__(self, name, dtype_arg(type(self).__name__, name, getattr(self, name)))
+
+
+def mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
+    """A first moment of `x` filled with `fill`, in `rule.mu_dtype` (default: `x`'s dtype); for a complex `x`,
+    the complex dtype of `mu_dtype`'s precision."""
+    d = rule.mu_dtype
+    if d is not None and jnp.iscomplexobj(x):
+        if d not in COMPLEX_OF:
+            raise TypeError(f"{type(rule).__name__}: mu_dtype={d.name} cannot hold the first moment of a complex "
+                            f"parameter ({jnp.dtype(x.dtype).name}): there is no complex {d.name}; use float32, "
+                            "float64 or None")
+        d = COMPLEX_OF[d]
+    return jnp.full_like(x, fill, dtype=d)
+
+
+def nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
+    """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype)."""
+    return jnp.full(x.shape, fill, real_dtype(x) if rule.nu_dtype is None else rule.nu_dtype)
+
+
+def load(x: jax.Array, *moments: jax.Array) -> tuple:
+    """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype."""
+    c = compute_dtype(x)
+    return tuple(a.astype(jnp.promote_types(a.dtype, c)) for a in moments)
+
+
+def store(new: tuple, old: tuple) -> tuple:
+    """New moments rounded to the storage dtypes of the old ones."""
+    return tuple(n.astype(o.dtype) for n, o in zip(new, old))
+
+
+# ----------------------------------------------------------------------------------------------- Adam moments
+def moments(beta, m, v, dx, x):
+    """Adam's moment updates: `(β₁ m + (1 - β₁) g, β₂ v + (1 - β₂)|g|²)`."""
+    b1, b2 = pair_of(beta, x)
+    return b1 * m + (1 - b1) * dx, b2 * v + (1 - b2) * abs2(dx)
+
+
+def bt_init(beta, x):
+    """The running powers (β₁ᵗ, β₂ᵗ) at t = 1, as one array: one buffer and one kernel per parameter, not two."""
+    return jnp.stack(pair_of(beta, x))
+
+
+def debias(bt):
+    """The bias corrections as factors, `(1 / (1 - bt₁), 1 / (1 - bt₂))`. Rules multiply by them rather than
+    divide: XLA rewrites a division by a broadcast number into this multiplication anyway, and written so the
+    factors are per-parameter numbers that `update` computes for a whole pack of parameters at once
+    (`optim._engine.hoist`), not one tiny kernel each."""
+    return 1 / (1 - bt[0]), 1 / (1 - bt[1])
+
+
+def bt_next(bt, beta, x):
+    """The running powers one step later."""
+    return bt * jnp.stack(pair_of(beta, x))

@@ -1,0 +1,329 @@
+"""The step protocol: what a rule is, what a step is, and how rules run over parameters.
+
+A rule is `init(x) -> state` and `apply(state, x, dx, *dxs) -> (state, step)` over one parameter `x`; the new
+parameter is `x - step` (`apply_step`). Besides a plain array, a step may be `None` (no step), `Gated` (a step
+only where a flag is true) or `Replace` (the new value itself).
+
+`Rule` is the base class of the built-in rules: a frozen dataclass registered as a pytree whose hyperparameters
+are leaves, so changing one with `optim.adjust` changes data, never the compiled program. Fields named in
+`_static` are structural (they change the state's shape or the program) and live in the treedef instead.
+
+`update` runs a rule over *stacks* of parameters (a group of same-shaped parameters stacked on a leading axis)
+with `apply_all`: rules that look across parameters implement `apply_tree` over such stacks, every other rule's
+`apply` is vmapped. Such a rule's own `apply` is `apply_one` (a stack of one).
+
+The helpers below (`as_compute`, `eps_of`, `abs2`, ...) are the building blocks of the formulas in
+the rules of `optim._rules` (public within the package): rules compute in the parameter's real dtype, but at
+least float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import hyper as _hyper
+from .._core.tree import register_struct, struct_repr
+
+__all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of",
+           "sum_squares"]
+
+
+# ----------------------------------------------------------------------------------------------- steps
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gated:
+    """A step that only happens where `ok` is true (branch-free "maybe no step", e.g. from `AccumGrad`).
+
+    A chain that receives a `Gated` step keeps the state of every later stage unchanged where `ok` is false.
+
+    >>> import jax.numpy as jnp, optim
+    >>> optim.apply_step(jnp.array([1.0, 2.0]), optim.Gated(jnp.array([0.5, 0.5]), jnp.array(False)))
+    Array([1., 2.], dtype=float32)
+    """
+
+    step: Any
+    ok: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Replace:
+    """Not a step but the new value of the parameter itself (used by `MixedPrecision`).
+
+    >>> import jax.numpy as jnp, optim
+    >>> optim.apply_step(jnp.array([1.0, 2.0]), optim.Replace(jnp.array([5.0, 6.0])))
+    Array([5., 6.], dtype=float32)
+    """
+
+    value: jax.Array
+
+
+def apply_step(x: jax.Array, step: Any) -> jax.Array:
+    """`x - step`, keeping `x`'s dtype; understands `None` (no step), `Gated` and `Replace`.
+
+    >>> import jax.numpy as jnp, optim
+    >>> optim.apply_step(jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]))
+    Array([0.5, 3. ], dtype=float32)
+    """
+    if step is None:
+        return x
+    if isinstance(step, Replace):
+        return step.value.astype(x.dtype)
+    if isinstance(step, Gated):
+        return where_leading(step.ok, apply_step(x, step.step), x)
+    return (x - step).astype(x.dtype)
+
+
+def where_leading(ok: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.where` with `ok` aligned on the leading axes: a stacked group's gate has one entry per member."""
+    ok = jnp.asarray(ok)
+    return where(ok.reshape(ok.shape + (1,) * (jnp.ndim(a) - ok.ndim)), a, b)
+
+
+def _split_type(a: Any) -> Any:
+    """`a`'s sharding when it is part of its type and splits it (Explicit mesh axes), else None."""
+    s = getattr(jax.typeof(a), "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding) and not s.mesh.empty and any(d is not None for d in s.spec):
+        return s
+    return None
+
+
+def where(c: Any, a: Any, b: Any) -> jax.Array:
+    """`jnp.where(c, a, b)`, also where shardings are types (Explicit mesh axes) and the operands differ: with
+    ZeRO-1 a rule's state is split and its gradient and parameter are replicated, and JAX's select refuses
+    operands sharded differently ("select cases must have the same shardings"). They are then broadcast and
+    resharded to the split one (a replicated operand is sliced: no communication)."""
+    ops = [jnp.asarray(v) for v in (c, a, b)]
+    want = next((s for s in map(_split_type, ops) if s is not None), None)
+    if want is None or all(jnp.ndim(v) == 0 or _split_type(v) == want for v in ops):
+        return jnp.where(c, a, b)
+    ops = [v if jax.typeof(v).sharding.spec == want.spec else jax.sharding.reshard(v, want)
+           for v in jnp.broadcast_arrays(*ops)]
+    return jnp.where(*ops)
+
+
+# ----------------------------------------------------------------------------------------------- base
+class Rule:
+    """Base class of optimisation rules.
+
+    Subclasses are frozen dataclasses; `__init_subclass__` registers each as a pytree whose leaves are the
+    non-static fields. A user-defined rule needs only `init` and `apply` (and may skip subclassing).
+
+    The class attributes below declare each hyperparameter's range; the constructor checks concrete values
+    (`optim._rules.hyper`) and stores numbers as floats, so `adjust` never truncates one given as an int.
+    A tuple default (`beta=(0.9, 0.999)`) makes the field a pair.
+
+    >>> import jax.numpy as jnp, optim
+    >>> class Sign(optim.Rule):
+    ...     lr: float = 0.1
+    ...     _nonneg = ("lr",)
+    ...     def apply(self, state, x, dx, *dxs):
+    ...         return state, self.lr * jnp.sign(dx)
+    >>> x = jnp.array([1.0, 2.0])
+    >>> optim.update(optim.setup(Sign(1), x), x, jnp.array([0.5, -3.0]))[1]
+    Array([0., 3.], dtype=float32)
+    >>> Sign(-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Sign: lr must be >= 0 and finite, got -1.0
+    """
+
+    _static: ClassVar[tuple[str, ...]] = ()
+    _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
+    _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
+    _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
+    _signed: ClassVar[tuple[str, ...]] = ()   # finite, any sign (Scale.f)
+    _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
+    _steps: ClassVar[tuple[str, ...]] = ()    # numbers of steps: integers >= 0, kept integers (a warmup)
+    _flags: ClassVar[tuple[str, ...]] = ()    # structural switches (in `_static`): True or False
+    _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
+    # Whether the rule looks across the parameters that share it (`ClipGlobalNorm`: True); None for a rule that
+    # does not say, which counts as True when it has `apply_tree` (see `looks_across`).
+    _across: ClassVar[bool | None] = None
+    # The name of the standard per-element formula the rule's `apply` computes ("adam", "lion", ...), for the
+    # engine's strategies that run formulas by name (optim._engine.fused); read from the class itself, not inherited, so
+    # a subclass that changes `apply` does not claim it (`formula_of`).
+    _formula: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_struct(cls, cls._static)
+        # Fields with a tuple default are pairs (`beta`): found once per class, not per construction.
+        cls._pairs = frozenset(f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple))
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.name not in self._static:
+                object.__setattr__(self, f.name, self._checked(f.name, getattr(self, f.name)))
+        for name in self._flags:    # a string such as "no" would be true: refuse anything but a bool
+            object.__setattr__(self, name, _hyper.flag(type(self).__name__, name, getattr(self, name)))
+
+    @classmethod
+    def _checked(cls, name: str, v: Any) -> Any:
+        """`v` checked and in stored form for the field `name` (used by the constructor and by `adjust`)."""
+        owner = cls.__name__
+        if name in cls._counts or name in cls._steps:
+            return _hyper.count(owner, name, v, minimum=0 if name in cls._steps else 1)
+        check = ("unit" if name in cls._unit else "closed_unit" if name in cls._decay
+                 else "nonneg" if name in cls._nonneg else "any" if name in cls._signed else None)
+        if check is None:   # a field this class does not declare (a user rule's): only make integers floating
+            return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
+        if name in cls._pairs:
+            return _hyper.pair(owner, name, v, check)
+        return _hyper.hyper(owner, name, v, check)
+
+    def init(self, x: jax.Array) -> Any:
+        """The state for one parameter `x` (`None` for a stateless rule)."""
+        return None
+
+    def apply(self, state: Any, x: jax.Array, dx: jax.Array, *dxs: jax.Array) -> tuple[Any, Any]:
+        """Return `(new_state, step)`; the parameter becomes `x - step`."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return struct_repr(self)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def real_dtype(x: jax.Array):
+    """The real dtype of `x` (float32 for complex64)."""
+    return jnp.finfo(x.dtype).dtype
+
+
+def compute_dtype(x: jax.Array):
+    """The dtype rules compute in: the parameter's real dtype, but at least float32 (in bfloat16 β₂ = 0.999
+    rounds to 1 and Adam's bias correction divides by zero). States keep their own storage dtype."""
+    return jnp.promote_types(real_dtype(x), jnp.float32)
+
+
+def as_compute(v: Any, x: jax.Array) -> jax.Array:
+    """A hyperparameter as an array in the compute dtype of the parameter `x` (Optimisers.jl casts to the
+    parameter's dtype; here at least float32, see `compute_dtype`)."""
+    return jnp.asarray(v, dtype=compute_dtype(x))
+
+
+def eps_of(eps: Any, x: jax.Array) -> jax.Array:
+    """ε in the parameter's compute dtype, at least 1e-7 for 16-bit floats (Optimisers.jl #167)."""
+    e = as_compute(eps, x)
+    if jnp.finfo(x.dtype).bits <= 16:
+        e = jnp.maximum(e, jnp.asarray(1e-7, e.dtype))
+    return e
+
+
+def abs2(g: jax.Array) -> jax.Array:
+    """`|g|²`, real also for complex `g`."""
+    return jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
+
+
+def sum_squares(a: jax.Array, axis: Any = None) -> jax.Array:
+    """`Σ|a|²` over `axis` (every axis by default), accumulated in float32 or wider (each square in `a`'s dtype):
+    what the norms of `ClipGlobalNorm` and `update(..., return_stats=True)` add up."""
+    return jnp.sum(abs2(a).astype(jnp.promote_types(real_dtype(a), jnp.float32)), axis=axis)
+
+
+def zeros_real(x: jax.Array) -> jax.Array:
+    """Zeros of `x`'s shape in its real dtype (second moments of a complex parameter are real)."""
+    return jnp.zeros(x.shape, real_dtype(x))
+
+
+def pair_of(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A pair hyperparameter (`beta`, Rprop's `ell` and `gamma`) as two arrays in the compute dtype of `x`."""
+    return as_compute(pair[0], x), as_compute(pair[1], x)
+
+
+# ----------------------------------------------------------------------------------------------- executor
+def clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
+    """`min(max_norm / norm, 1)`, but exactly 1 when the norm is within bounds: a zero gradient with
+    `max_norm = 0` would otherwise give 0 / 0 = NaN. A NaN norm still gives NaN (a NaN step, not a silently
+    unclipped one)."""
+    ok = norm <= max_norm
+    return jnp.where(ok, 1, max_norm / jnp.where(ok, 1, norm)).astype(max_norm.dtype)
+
+
+def average_of(rule: Any, state: Any, x: jax.Array) -> Any:
+    """The value to evaluate parameter `x` with, from `rule`'s state: what `optim.averaged` returns for it, or
+    `None` when the rule keeps no average. A rule that keeps one (`EMA`) defines `average(state, x)`; rules
+    that wrap another delegate to it."""
+    average = getattr(rule, "average", None)
+    return None if average is None else average(state, x)
+
+
+def is_rule(v: Any) -> bool:
+    """Whether `v` is a rule: it has `init(x)` and `apply(state, x, dx, *dxs)` (subclassing `Rule` is optional)."""
+    return callable(getattr(v, "init", None)) and callable(getattr(v, "apply", None))
+
+
+def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
+    """Run `rule` on several *stacks* of parameters at once. Entry `i` is a group of parameters stacked on a
+    leading axis: `xs[i]`, its states `states[i]` (stacked alike) and `dxs[i]`, the tuple of its gradients.
+
+    Rules that look across parameters (`ClipGlobalNorm`, `SkipNonFinite`, chains containing them) implement
+    `apply_tree(states, xs, dxs)` over such stacks; every other rule's per-parameter `apply` is vmapped over
+    each stack, which computes exactly what a loop over the parameters would.
+
+    >>> import jax.numpy as jnp, optim
+    >>> xs = [jnp.array([[1.0, 2.0], [3.0, 4.0]])]          # one stack of two parameters
+    >>> states, steps = optim.apply_all(optim.Descent(0.5), [None], xs, [(jnp.ones((2, 2)),)])
+    >>> steps[0]
+    Array([[0.5, 0.5],
+           [0.5, 0.5]], dtype=float32)
+    """
+    if hasattr(rule, "apply_tree"):
+        return rule.apply_tree(states, xs, dxs)
+    out = [jax.vmap(rule.apply)(s, x, *d) for s, x, d in zip(states, xs, dxs)]
+    return [o[0] for o in out], [o[1] for o in out]
+
+
+def apply_one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
+    """`rule.apply` for one parameter, in terms of `rule.apply_tree` (a stack of one): the `apply` of rules that
+    are defined over stacks."""
+    def lead(t):
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), t)
+
+    states, steps = rule.apply_tree([lead(state)], [lead(x)], [lead(tuple(dxs))])
+    return jax.tree.map(lambda a: a[0], states[0]), step_row(steps[0], 0)
+
+
+def step_row(step: Any, m: int) -> Any:
+    """Member `m`'s part of a stacked step (plain, `Gated` or `Replace`). A 0-d entry (a gate shared by the
+    whole stack, as `SkipNonFinite` returns) has no row to take and applies to every member."""
+    return jax.tree.map(lambda a: a if jnp.ndim(a) == 0 else a[m], step)
+
+
+def looks_across(rule: Any) -> str | None:
+    """The name of the first part of `rule` that looks across the parameters sharing it (`ClipGlobalNorm`,
+    `SkipNonFinite`, `SkipLargeUpdates`, a user rule with `apply_tree`), or None. Giving some of those parameters a
+    rule of their own would change what it computes for all of them."""
+    own = getattr(rule, "_across", None)
+    if own or (own is None and hasattr(rule, "apply_tree")):
+        return type(rule).__name__
+    for name in inner_fields(rule):
+        v = getattr(rule, name)
+        for r in v if isinstance(v, tuple) else (v,):
+            found = looks_across(r)
+            if found:
+                return found
+    return None
+
+
+def inner_fields(rule: Any) -> list[str]:
+    """The fields of `rule` that hold rules (`SkipNonFinite.rule`, `OptimiserChain.rules`), which `adjust` and
+    `looks_across` go inside."""
+    if not dataclasses.is_dataclass(rule):
+        return []
+    out = []
+    for f in dataclasses.fields(rule):
+        v = getattr(rule, f.name)
+        if is_rule(v) or (isinstance(v, tuple) and v and all(map(is_rule, v))):
+            out.append(f.name)
+    return out
+
+
+def formula_of(rule: Any) -> str | None:
+    """The per-element formula `rule`'s own class declares (`Rule._formula`; not inherited), or None."""
+    return type(rule).__dict__.get("_formula")
