@@ -19,6 +19,7 @@ from ._interop.optax import WholeTreeError, from_optax, to_optax, with_extra_arg
 from ._core.destructure import destructure, trainables
 from ._core.microbatch import microbatch
 from ._rules.layerwise import Lamb, Lars, Muon
+from ._rules.adopt import ADOPT
 from ._rules.adam import AdaBelief, AdaMax, Adam, AdamW, AMSGrad, NAdam, OAdam, RAdam
 from ._rules.adaptive import AdaDelta, AdaGrad, RMSProp
 from ._rules.transforms import ClipGrad, ClipNorm, Scale, SignDecay, WeightDecay
@@ -33,6 +34,7 @@ from ._io.state_dict import load_state_dict, state_dict
 from ._rules.protocol import Gated, Replace, Rule, apply_all, apply_step
 from ._core.surgery import donatable, graft, reset, retie, subtree
 from ._core.update import global_norm, tie_grads, update
+from ._info import print_info
 from ._rules.wrappers import (
     AccumGrad, ClipGlobalNorm, MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite, chain,
 )
@@ -50,7 +52,8 @@ __all__ = [
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
-    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
+    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
     "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "OptimiserChain", "chain", "AccumGrad",
     "MixedPrecision",
+    "print_info",
 ]

@@ -13,28 +13,13 @@ import optim._engine.stack as optim_stack
 from optim._engine import fused as _fused
 from optim._rules.protocol import apply_all, apply_step
 
-from test_rules import CASES
+from rule_cases import reduces, table
 
 O = optim
 
-# Rules that reduce over a parameter (norms, matrix products): summation order may differ once batched.
-REDUCING = ("ClipNorm", "Muon", "Global", "SkipNonFinite", "Lamb", "Lars", "Adafactor")
-
-EXTRA = [
-    ("AccumGrad(2)+Adam", lambda: O.OptimiserChain(O.AccumGrad(2), O.Adam(0.1))),
-    ("ClipGlobalNorm(1)+Adam", lambda: O.OptimiserChain(O.ClipGlobalNorm(1.0), O.Adam(0.1))),
-    ("SkipNonFinite(Adam)", lambda: O.SkipNonFinite(O.Adam(0.1))),
-    ("Adam+schedule", lambda: O.Adam(O.Linear(0.1, 0.01, 4))),
-    ("Lamb(.1,wd)", lambda: O.Lamb(0.1, weight_decay=0.1)),
-    ("Lars(1,wd,nesterov)", lambda: O.Lars(1.0, weight_decay=0.1, trust_coefficient=0.02, nesterov=True)),
-    ("ScheduleFreeAdamW(.1,wd,warmup)", lambda: O.ScheduleFreeAdamW(0.1, weight_decay=0.1, warmup_steps=2)),
-    ("Adam(bf16 m,v)", lambda: O.Adam(0.1, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
-    ("Lion(bf16 m)", lambda: O.Lion(0.1, mu_dtype=jnp.bfloat16)),
-    ("Adafactor(factored,momentum,wd)", lambda: O.Adafactor(0.1, momentum=0.9, weight_decay=0.01,
-                                                            min_dim_size_to_factor=3)),
-    ("Adafactor(unfactored)", lambda: O.Adafactor(0.1, factored=False)),
-]
-RULES = [(c[0], c[1]) for c in CASES] + EXTRA
+# Every configuration of the registry (`rule_cases.py`) with a numpy reference, and those it lists for
+# stacking only (`stacked`: wrappers, schedules, moment dtypes, rules that look across parameters).
+RULES = [(c.id, c.make) for c in table("references")] + [(c.id, c.make) for c in table("stacked")]
 
 
 def model():
@@ -111,7 +96,8 @@ def test_stacked_update_equals_per_leaf_rule(name, make):
     assert len(state.stacks) < len(m)            # really stacked: groups of several parameters
     step = per_leaf_step(make(), FROZEN)
     states = {k: state[k].state for k in m}
-    limit = 8 if any(r in name for r in REDUCING) else 2
+    # A rule that reduces over a parameter (norms, matrix products): summation order may differ once batched.
+    limit = 8 if reduces(make()) else 2
     for t in range(4):
         g = grads(m, t)
         state = optim.State.of_params(state.layout, state.rules, [states[p] for p in state.paths()],

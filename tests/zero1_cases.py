@@ -396,6 +396,7 @@ def every_rule() -> dict:
         "AdaMax": optim.AdaMax(0.01), "OAdam": optim.OAdam(0.01), "AdaGrad": optim.AdaGrad(0.1),
         "AdaDelta": optim.AdaDelta(), "AMSGrad": optim.AMSGrad(0.01), "NAdam": optim.NAdam(0.01),
         "AdamW": optim.AdamW(0.01, weight_decay=0.1), "AdaBelief": optim.AdaBelief(0.01), "Lion": optim.Lion(0.01),
+        "ADOPT": optim.ADOPT(0.01),
         "WeightDecay": optim.chain(optim.WeightDecay(0.1), optim.Descent(0.1)),
         "SignDecay": optim.chain(optim.SignDecay(0.01), optim.Descent(0.1)),
         "ClipGrad": optim.chain(optim.ClipGrad(0.5), optim.Descent(0.1)),

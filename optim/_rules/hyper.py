@@ -158,13 +158,24 @@ def whole(owner: str, name: str, v: Any, minimum: int, why: str = "") -> int:
     return int(v)
 
 
-def pair(owner: str, name: str, v: Any, check: str) -> tuple:
-    """A hyperparameter that is a pair of numbers (`beta=(0.9, 0.999)`), each checked like `hyper`."""
+def numbers(owner: str, name: str, v: Any, check: str, example: tuple = (0.9, 0.999)) -> tuple:
+    """A hyperparameter that is a tuple of `len(example)` numbers (`beta=(0.9, 0.999)`: a pair), each checked like
+    `hyper` and named by its index (`beta[1]`). A list is taken as a tuple.
+
+    >>> numbers("Adam", "beta", [0.9, 0], "unit")
+    (0.9, 0.0)
+    >>> numbers("Adan", "beta", (0.9, 0.99), "unit", example=(0.98, 0.92, 0.99))
+    Traceback (most recent call last):
+    ...
+    TypeError: Adan: beta must be a tuple of 3 numbers such as beta=(0.98, 0.92, 0.99), got tuple (0.9, 0.99)
+    """
     if isinstance(v, list):
         v = tuple(v)
-    if not isinstance(v, tuple) or len(v) != 2:
-        raise TypeError(f"{owner}: {name} must be a pair of numbers such as {name}=(0.9, 0.999), "
-                        f"got {type(v).__name__} {v!r}")
+    n = len(example)
+    if not isinstance(v, tuple) or len(v) != n:
+        what = "a pair of numbers" if n == 2 else f"a tuple of {n} numbers"
+        shown = "(0.9, 0.999)" if n == 2 else repr(tuple(example))
+        raise TypeError(f"{owner}: {name} must be {what} such as {name}={shown}, got {type(v).__name__} {v!r}")
     return tuple(hyper(owner, f"{name}[{k}]", u, check) for k, u in enumerate(v))
 
 

@@ -1,4 +1,4 @@
-"""The step protocol: what a rule is, what a step is, and how rules run over parameters.
+"""The rule protocol: what a rule is, what a rule's step is, and how rules run over parameters.
 
 A rule is `init(x) -> state` and `apply(state, x, dx, *dxs) -> (state, step)` over one parameter `x`; the new
 parameter is `x - step` (`apply_step`). Besides a plain array, a step may be `None` (no step), `Gated` (a step
@@ -116,7 +116,8 @@ class Rule:
 
     The class attributes below declare each hyperparameter's range; the constructor checks concrete values
     (`optim._rules.hyper`) and stores numbers as floats, so `adjust` never truncates one given as an int.
-    A tuple default (`beta=(0.9, 0.999)`) makes the field a pair.
+    A tuple default makes the field a tuple of that many numbers, each checked alike: `beta=(0.9, 0.999)` a pair,
+    `beta=(0.9, 0.99, 0.999)` a triple.
 
     >>> import jax.numpy as jnp, optim
     >>> class Sign(optim.Rule):
@@ -141,7 +142,8 @@ class Rule:
     _counts: ClassVar[tuple[str, ...]] = ()   # integers >= 1, kept integers (AccumGrad.n)
     _steps: ClassVar[tuple[str, ...]] = ()    # numbers of steps: integers >= 0, kept integers (a warmup)
     _flags: ClassVar[tuple[str, ...]] = ()    # structural switches (in `_static`): True or False
-    _pairs: ClassVar[frozenset[str]] = frozenset()   # set per subclass: fields whose default is a tuple
+    # Set per subclass: the fields whose default is a tuple, with that default (its length is the field's).
+    _tuples: ClassVar[dict[str, tuple]] = {}
     # Whether the rule looks across the parameters that share it (`ClipGlobalNorm`: True); None for a rule that
     # does not say, which counts as True when it has `apply_tree` (see `looks_across`).
     _across: ClassVar[bool | None] = None
@@ -153,8 +155,8 @@ class Rule:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         register_struct(cls, cls._static)
-        # Fields with a tuple default are pairs (`beta`): found once per class, not per construction.
-        cls._pairs = frozenset(f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple))
+        # Fields with a tuple default (`beta`) and their lengths: found once per class, not per construction.
+        cls._tuples = {f.name: f.default for f in dataclasses.fields(cls) if isinstance(f.default, tuple)}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -173,8 +175,8 @@ class Rule:
                  else "nonneg" if name in cls._nonneg else "any" if name in cls._signed else None)
         if check is None:   # a field this class does not declare (a user rule's): only make integers floating
             return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
-        if name in cls._pairs:
-            return _hyper.pair(owner, name, v, check)
+        if name in cls._tuples:
+            return _hyper.numbers(owner, name, v, check, cls._tuples[name])
         return _hyper.hyper(owner, name, v, check)
 
     def init(self, x: jax.Array) -> Any:
@@ -229,6 +231,12 @@ def sum_squares(a: jax.Array, axis: Any = None) -> jax.Array:
 def zeros_real(x: jax.Array) -> jax.Array:
     """Zeros of `x`'s shape in its real dtype (second moments of a complex parameter are real)."""
     return jnp.zeros(x.shape, real_dtype(x))
+
+
+def tuple_of(values: Any, x: jax.Array) -> tuple[jax.Array, ...]:
+    """A tuple hyperparameter (`beta`, Rprop's `ell` and `gamma`) as arrays in the compute dtype of `x`, one per
+    number."""
+    return tuple(as_compute(v, x) for v in values)
 
 
 def pair_of(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:

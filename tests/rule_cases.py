@@ -1,0 +1,613 @@
+"""The registry of rule cases: one `RuleCases` entry per rule class, everything the property tests need to know
+about it, in one place. `test_rules.py` and `test_stacking.py` derive their tables from `RULES` (`CASES`,
+`CONVERGENCE`, `BAD_HYPER`, ...: see the functions at the end); a new rule is one more entry (CONTRIBUTING.md).
+
+An entry holds the rule's class-level facts (its defaults, whether its first argument is a learning rate,
+whether its step depends on the whole parameter) and its configurations, each with the id its tests carry:
+
+- `references`: `Reference(id, make, ref, nsteps)`, a float64 numpy reference (`rule_refs.py`) that
+  `test_rules.py::test_rule_matches_reference` follows for `nsteps` steps (rtol 1e-5, the displacement 2e-4),
+  and that `test_stacking.py::test_stacked_update_equals_per_leaf_rule` runs stacked (with `stacked`). A
+  reference case runs on scalars, vectors and matrices.
+- `stacked`: `Case(id, make)`, more configurations for the stacking test only.
+- `converges`: `Converges(id, make, threshold)` for R1 (`test_rule_converges_on_a_linear_regression`).
+- `dtypes` (F6: float16, bfloat16 and float32 parameters keep their dtype), `bfloat16` (steps track float32's),
+  `complex_` (R5: a complex loss decreases): `Case(id, make)`.
+- `keywords`: `(keyword constructor, positional constructor)` pairs that must be equal (F9).
+- `int_hyperparameters`: `IntHyper(id, make, field)`: an integer given, a float stored.
+- `bad`: `Bad(id, make, err, match)`: hyperparameters refused at construction; `structural`: the same for
+  structural arguments.
+- `state_dtypes`: `StateDtypes(id, make(**dtypes), roles)`: `mu_dtype` / `nu_dtype` and the role of each state
+  leaf ("mu", "nu" or None).
+- `x64_optax`: `Optax(id, make, make_tx, defaults)`: 30 steps against optax in float64 on a tied model (rtol
+  1e-10); `defaults` marks the configuration with the rule's own defaults.
+- `adjust`: `(make, [changes, ...])`: adjusting those hyperparameters never retraces.
+
+Properties of the rule: `reduces_over_parameter` (its step depends on the whole parameter, a norm or a matrix
+product: a batched reduction may sum in another order, so stacking is compared within 8 ulp, not 2; a chain or
+wrapper reduces when a rule inside it does, see `reduces`), `trust_ratio` (Lamb, Lars: a ratio of norms, 1 where
+a norm is 0), `evaluates_at_average` (the model is evaluated at `optim.averaged`, ScheduleFreeAdamW).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optim
+from optim._rules.protocol import inner_fields
+from rule_refs import (
+    r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_adopt, r_amsgrad, r_chain, r_clipgrad,
+    r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop, r_rprop,
+    r_signdecay, r_weightdecay,
+)
+
+O = optim
+
+
+class Reference(NamedTuple):
+    id: str
+    make: Callable
+    ref: Any
+    nsteps: int
+
+
+class Case(NamedTuple):
+    id: str
+    make: Callable
+
+
+class Converges(NamedTuple):
+    id: str
+    make: Callable
+    threshold: float
+
+
+class IntHyper(NamedTuple):
+    id: str
+    make: Callable
+    field: str
+
+
+class Bad(NamedTuple):
+    id: str
+    make: Callable
+    err: type
+    match: str
+
+
+class StateDtypes(NamedTuple):
+    id: str
+    make: Callable
+    roles: tuple
+
+
+class Optax(NamedTuple):
+    id: str
+    make: Callable
+    make_tx: Callable
+    defaults: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleCases:
+    """Everything the property tests know about one rule class (see the module docstring)."""
+    cls: type
+    default: Any = None                 # what `cls()` equals, with every default spelled out; None: not checked
+    has_lr: bool = False                # the first argument is a learning rate (>= 0)
+    reduces_over_parameter: bool = False
+    trust_ratio: bool = False
+    evaluates_at_average: bool = False
+    references: tuple = ()
+    stacked: tuple = ()
+    converges: tuple = ()
+    dtypes: tuple = ()
+    bfloat16: tuple = ()
+    complex_: tuple = ()
+    keywords: tuple = ()
+    int_hyperparameters: tuple = ()
+    bad: tuple = ()
+    structural: tuple = ()
+    state_dtypes: tuple = ()
+    x64_optax: tuple = ()
+    adjust: tuple = ()
+
+
+def _sf_adamw_warmup64(lr, warmup_steps, b1, b2, eps, weight_decay, weight_lr_power):
+    """`optax.contrib.schedule_free_adamw` as optax composes it, with its warmup schedule computed in float64:
+    optax's `warmup_constant_schedule` divides an int32 count and returns float32 even under x64 (a relative
+    error of ~1e-8 in every warmup step; `test_schedule_free_warmup_matches_optax_alias` compares with it)."""
+    def sched(count):
+        return lr * jnp.minimum(count, warmup_steps).astype(jnp.float64) / warmup_steps
+
+    base = optax.chain(optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
+                       optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched))
+    return optax.contrib.schedule_free(base, sched, b1=b1, weight_lr_power=weight_lr_power)
+
+
+# The measured final losses of `converges` (jax 0.10.2, CPU) are noted after each; see `test_rules.py` section 3.
+RULES = [
+    RuleCases(
+        O.Descent, O.Descent(0.1), has_lr=True,
+        references=(Reference("Descent()", lambda: O.Descent(), r_descent(0.1), 5),
+                    Reference("Descent(lr=.05)", lambda: O.Descent(lr=0.05), r_descent(0.05), 5)),
+        converges=(Converges("Descent()", lambda: O.Descent(), 0.01),),                       # 3.4e-3
+        dtypes=(Case("Descent", lambda: O.Descent()),),
+        complex_=(Case("Descent", lambda: O.Descent(1e-2)),),
+        keywords=((lambda: O.Descent(lr=0.2), lambda: O.Descent(0.2)),),
+        int_hyperparameters=(IntHyper("Descent(1)", lambda: O.Descent(1), "lr"),
+                             IntHyper("Descent(jnp.asarray(1))", lambda: O.Descent(jnp.asarray(1)), "lr")),
+        bad=(Bad("lr nan", lambda: O.Descent(float("nan")), ValueError,
+                 "Descent: lr must be >= 0 and finite, got nan"),
+             Bad("lr jax negative", lambda: O.Descent(jnp.asarray(-1.0)), ValueError, "Descent: lr must be >= 0"),
+             Bad("lr bool", lambda: O.Descent(True), TypeError, "Descent: lr must be a real number"),
+             Bad("lr complex", lambda: O.Descent(1j), TypeError, "Descent: lr must be a real number"),
+             Bad("lr schedule in a Join", lambda: O.Descent(O.Join((O.Constant(0.1), O.Cosine(0.1, 10, -0.01)),
+                                                                    (5,))), ValueError,
+                 r"Descent: lr must be >= 0 at every step, but the schedule Join\(.*\) takes values down to -0.01")),
+    ),
+    RuleCases(
+        O.Momentum, O.Momentum(0.01, 0.9), has_lr=True,
+        references=(Reference("Momentum()", lambda: O.Momentum(), r_momentum(0.01, 0.9), 5),
+                    Reference("Momentum(.1,.8)", lambda: O.Momentum(lr=0.1, rho=0.8), r_momentum(0.1, 0.8), 5)),
+        converges=(Converges("Momentum()", lambda: O.Momentum(), 0.01),),                     # 3.2e-3
+        dtypes=(Case("Momentum", lambda: O.Momentum()),),
+        bfloat16=(Case("Momentum", lambda: O.Momentum(0.1)),),
+        complex_=(Case("Momentum", lambda: O.Momentum(1e-2)),),
+        keywords=((lambda: O.Momentum(rho=0.8, lr=0.2), lambda: O.Momentum(0.2, 0.8)),),
+        int_hyperparameters=(IntHyper("Momentum(np.int64(1))", lambda: O.Momentum(np.int64(1)), "lr"),),
+        bad=(Bad("rho > 1", lambda: O.Momentum(0.1, 1.5), ValueError, r"Momentum: rho must be in \[0, 1\]"),
+             Bad("rho schedule above 1", lambda: O.Momentum(0.1, O.Piecewise((10,), (0.9, 1.5))), ValueError,
+                 r"Momentum: rho must be in \[0, 1\] at every step, but the schedule .* up to 1.5"),
+             Bad("mu_dtype name", lambda: O.Momentum(mu_dtype="float33"), TypeError,
+                 "Momentum: mu_dtype must be a real floating dtype"),
+             Bad("no nu for Momentum", lambda: O.Momentum(nu_dtype=jnp.bfloat16), TypeError, "nu_dtype")),
+        state_dtypes=(StateDtypes("Momentum", lambda **k: O.Momentum(0.01, **k), ("mu",)),),
+    ),
+    RuleCases(
+        O.Nesterov, O.Nesterov(0.001, 0.9), has_lr=True,
+        references=(Reference("Nesterov()", lambda: O.Nesterov(), r_nesterov(0.001, 0.9), 5),
+                    Reference("Nesterov(.1,.7)", lambda: O.Nesterov(lr=0.1, rho=0.7), r_nesterov(0.1, 0.7), 5)),
+        converges=(Converges("Nesterov(1e-2)", lambda: O.Nesterov(1e-2), 0.01),),            # 3.2e-3
+        dtypes=(Case("Nesterov", lambda: O.Nesterov()),),
+        bfloat16=(Case("Nesterov", lambda: O.Nesterov(0.1)),),
+        complex_=(Case("Nesterov", lambda: O.Nesterov(1e-2)),),
+        keywords=((lambda: O.Nesterov(rho=0.8, lr=0.2), lambda: O.Nesterov(0.2, 0.8)),),
+    ),
+    RuleCases(
+        O.Rprop, O.Rprop(1e-3, (0.5, 1.2), (1e-6, 50.0)), has_lr=True,
+        references=(Reference("Rprop()", lambda: O.Rprop(), r_rprop(1e-3, (0.5, 1.2), (1e-6, 50.0)), 5),
+                    Reference("Rprop(clamped)", lambda: O.Rprop(lr=0.1, ell=(0.4, 1.5), gamma=(0.03, 0.2)),
+                              r_rprop(0.1, (0.4, 1.5), (0.03, 0.2)), 8)),
+        converges=(Converges("Rprop()", lambda: O.Rprop(), 0.3),),                            # 9.2e-2
+        dtypes=(Case("Rprop", lambda: O.Rprop()),),
+        bfloat16=(Case("Rprop", lambda: O.Rprop(0.1)),),
+        keywords=((lambda: O.Rprop(gamma=(1e-5, 10.0), ell=(0.4, 1.3), lr=0.2),
+                   lambda: O.Rprop(0.2, (0.4, 1.3), (1e-5, 10.0))),),
+    ),
+    RuleCases(
+        O.RMSProp, O.RMSProp(0.001, 0.9, 1e-8, False), has_lr=True,
+        references=(
+            Reference("RMSProp()", lambda: O.RMSProp(), r_rmsprop(0.001, 0.9, 1e-8), 5),
+            Reference("RMSProp(centred)", lambda: O.RMSProp(centred=True), r_rmsprop(0.001, 0.9, 1e-8, centred=True),
+                      5),
+            Reference("RMSProp(.05,.8,1e-3)", lambda: O.RMSProp(lr=0.05, rho=0.8, eps=1e-3),
+                      r_rmsprop(0.05, 0.8, 1e-3), 5),
+            Reference("RMSProp(.05,.8,1e-3,centred)", lambda: O.RMSProp(lr=0.05, rho=0.8, eps=1e-3, centred=True),
+                      r_rmsprop(0.05, 0.8, 1e-3, centred=True), 5)),
+        converges=(Converges("RMSProp(1e-2)", lambda: O.RMSProp(1e-2), 0.01),                 # 7.0e-4
+                   Converges("RMSProp(1e-2,centred)", lambda: O.RMSProp(1e-2, centred=True), 0.01)),  # 6.8e-4
+        dtypes=(Case("RMSProp", lambda: O.RMSProp()), Case("RMSPropC", lambda: O.RMSProp(centred=True))),
+        bfloat16=(Case("RMSProp", lambda: O.RMSProp(0.1)), Case("RMSPropC", lambda: O.RMSProp(0.1, centred=True))),
+        complex_=(Case("RMSProp", lambda: O.RMSProp(1e-2)),),
+        keywords=((lambda: O.RMSProp(eps=1e-6, rho=0.8, lr=0.2, centred=True),
+                   lambda: O.RMSProp(0.2, 0.8, 1e-6, True)),),
+        bad=(Bad("eps inf", lambda: O.RMSProp(eps=float("inf")), ValueError, "RMSProp: eps must be >= 0 and finite"),),
+        structural=(Bad("RMSProp centred", lambda: O.RMSProp(centred="yes"), TypeError,
+                        "RMSProp: centred must be True or False"),),
+    ),
+    RuleCases(
+        O.Adam, O.Adam(0.001, (0.9, 0.999), 1e-8), has_lr=True,
+        references=(Reference("Adam()", lambda: O.Adam(), r_adam(0.001, (0.9, 0.999), 1e-8), 5),
+                    Reference("Adam(.1,(.8,.95),1e-6)", lambda: O.Adam(lr=0.1, beta=(0.8, 0.95), eps=1e-6),
+                              r_adam(0.1, (0.8, 0.95), 1e-6), 5)),
+        stacked=(Case("Adam+schedule", lambda: O.Adam(O.Linear(0.1, 0.01, 4))),
+                 Case("Adam(bf16 m,v)", lambda: O.Adam(0.1, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16))),
+        converges=(Converges("Adam(1e-2)", lambda: O.Adam(1e-2), 0.01),),                     # 1.4e-4
+        dtypes=(Case("Adam", lambda: O.Adam()),),
+        bfloat16=(Case("Adam", lambda: O.Adam(0.1)),),
+        complex_=(Case("Adam", lambda: O.Adam(1e-2)),),
+        keywords=((lambda: O.Adam(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.Adam(0.2, (0.8, 0.9), 1e-6)),),
+        bad=(Bad("lr inf", lambda: O.Adam(float("inf")), ValueError, "Adam: lr must be >= 0 and finite, got inf"),
+             Bad("lr jnp.nan", lambda: O.Adam(jnp.nan), ValueError, "Adam: lr must be >= 0 and finite, got nan"),
+             Bad("lr str", lambda: O.Adam("0.1"), TypeError,
+                 "Adam: lr must be a real number, an array or an optim schedule, got str"),
+             Bad("lr None", lambda: O.Adam(None), TypeError, "Adam: lr must be a real number.*got NoneType"),
+             Bad("beta2 = 1", lambda: O.Adam(beta=(0.9, 1.0)), ValueError,
+                 r"Adam: beta\[1\] must be in \[0, 1\) and finite, got 1.0"),
+             Bad("beta scalar", lambda: O.Adam(beta=0.9), TypeError,
+                 r"Adam: beta must be a pair of numbers such as beta=\(0.9, 0.999\), got float 0.9"),
+             Bad("lr array", lambda: O.Adam(jnp.array([0.1, 0.2])), ValueError,
+                 r"Adam: lr must be a scalar, got an array of shape \(2,\): a hyperparameter is one number"),
+             Bad("lr schedule negative", lambda: O.Adam(O.Linear(0.1, -0.1, 10)), ValueError,
+                 r"Adam: lr must be >= 0 at every step, but the schedule Linear\(start=0.1, end=-0.1, steps=10\) "
+                 r"takes values down to -0.1 \(its range is \[-0.1, 0.1\]\)"),
+             Bad("beta schedule reaches 1", lambda: O.Adam(beta=(0.9, O.Linear(0.99, 1.0, 10))), ValueError,
+                 r"Adam: beta\[1\] must be in \[0, 1\) at every step, but the schedule .* takes values up to 1"),
+             Bad("mu_dtype int", lambda: O.Adam(mu_dtype=jnp.int32), TypeError,
+                 "Adam: mu_dtype must be a real floating dtype")),
+        state_dtypes=(StateDtypes("Adam", lambda **k: O.Adam(0.01, **k), ("mu", "nu", None)),),
+    ),
+    RuleCases(
+        O.RAdam, O.RAdam(0.001, (0.9, 0.999), 1e-8), has_lr=True,
+        # RAdam's default rectification starts at step 5 where rho - 4 ~ 1 comes from 1 - 0.999^t, which float32
+        # cannot resolve to 1e-5; steps 1-4 (rho < 4) are exact, the rectified branch is covered with beta2 = 0.9.
+        references=(Reference("RAdam()", lambda: O.RAdam(), r_radam(0.001, (0.9, 0.999), 1e-8), 4),
+                    Reference("RAdam(.1,(.8,.9))", lambda: O.RAdam(lr=0.1, beta=(0.8, 0.9), eps=1e-6),
+                              r_radam(0.1, (0.8, 0.9), 1e-6), 8)),
+        converges=(Converges("RAdam(2e-2)", lambda: O.RAdam(2e-2), 0.01),),                   # 5.6e-4
+        dtypes=(Case("RAdam", lambda: O.RAdam()),),
+        bfloat16=(Case("RAdam", lambda: O.RAdam(0.1)),),
+        complex_=(Case("RAdam", lambda: O.RAdam(1e-2)),),
+        keywords=((lambda: O.RAdam(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.RAdam(0.2, (0.8, 0.9), 1e-6)),),
+        bad=(Bad("mu_dtype number", lambda: O.RAdam(mu_dtype=1.5), TypeError,
+                 "RAdam: mu_dtype must be a real floating dtype"),),
+        state_dtypes=(StateDtypes("RAdam", lambda **k: O.RAdam(0.01, beta=(0.8, 0.9), **k),    # rectified from t = 5
+                                  ("mu", "nu", None, None)),),
+    ),
+    RuleCases(
+        O.AdaMax, O.AdaMax(0.001, (0.9, 0.999), 1e-8), has_lr=True,
+        references=(Reference("AdaMax()", lambda: O.AdaMax(), r_adamax(0.001, (0.9, 0.999), 1e-8), 5),
+                    Reference("AdaMax(.1,(.8,.95))", lambda: O.AdaMax(lr=0.1, beta=(0.8, 0.95), eps=1e-6),
+                              r_adamax(0.1, (0.8, 0.95), 1e-6), 5)),
+        converges=(Converges("AdaMax(2e-2)", lambda: O.AdaMax(2e-2), 0.01),),                 # 3.6e-4
+        dtypes=(Case("AdaMax", lambda: O.AdaMax()),),
+        bfloat16=(Case("AdaMax", lambda: O.AdaMax(0.1)),),
+        keywords=((lambda: O.AdaMax(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.AdaMax(0.2, (0.8, 0.9), 1e-6)),),
+    ),
+    RuleCases(
+        O.OAdam, O.OAdam(0.001, (0.5, 0.9), 1e-8), has_lr=True,
+        references=(Reference("OAdam()", lambda: O.OAdam(), r_oadam(0.001, (0.5, 0.9), 1e-8), 5),
+                    Reference("OAdam(.1,(.6,.95))", lambda: O.OAdam(lr=0.1, beta=(0.6, 0.95), eps=1e-6),
+                              r_oadam(0.1, (0.6, 0.95), 1e-6), 5)),
+        converges=(Converges("OAdam(1e-2)", lambda: O.OAdam(1e-2), 0.01),),                   # 1.7e-3
+        dtypes=(Case("OAdam", lambda: O.OAdam()),),
+        bfloat16=(Case("OAdam", lambda: O.OAdam(0.1)),),
+        complex_=(Case("OAdam", lambda: O.OAdam(1e-2)),),
+        keywords=((lambda: O.OAdam(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.OAdam(0.2, (0.8, 0.9), 1e-6)),),
+    ),
+    RuleCases(
+        O.AdaGrad, O.AdaGrad(0.1, 1e-8), has_lr=True,
+        references=(Reference("AdaGrad()", lambda: O.AdaGrad(), r_adagrad(0.1, 1e-8), 5),
+                    Reference("AdaGrad(.3,1e-4)", lambda: O.AdaGrad(lr=0.3, eps=1e-4), r_adagrad(0.3, 1e-4), 5)),
+        converges=(Converges("AdaGrad(.3)", lambda: O.AdaGrad(0.3), 0.01),),                  # 1e-9
+        dtypes=(Case("AdaGrad", lambda: O.AdaGrad()),),
+        bfloat16=(Case("AdaGrad", lambda: O.AdaGrad(0.1)),),
+        complex_=(Case("AdaGrad", lambda: O.AdaGrad(1e-2)),),
+        keywords=((lambda: O.AdaGrad(eps=1e-6, lr=0.2), lambda: O.AdaGrad(0.2, 1e-6)),),
+    ),
+    RuleCases(
+        O.AdaDelta, O.AdaDelta(0.9, 1e-8),
+        references=(Reference("AdaDelta()", lambda: O.AdaDelta(), r_adadelta(0.9, 1e-8), 5),
+                    Reference("AdaDelta(.8,1e-3)", lambda: O.AdaDelta(rho=0.8, eps=1e-3), r_adadelta(0.8, 1e-3), 5)),
+        converges=(Converges("AdaDelta(.9,1e-6)", lambda: O.AdaDelta(0.9, 1e-6), 0.01),),     # 6.7e-5
+        dtypes=(Case("AdaDelta", lambda: O.AdaDelta()),),
+        complex_=(Case("AdaDelta", lambda: O.AdaDelta(0.9, 1e-5)),),
+        keywords=((lambda: O.AdaDelta(eps=1e-6, rho=0.8), lambda: O.AdaDelta(0.8, 1e-6)),),
+    ),
+    RuleCases(
+        O.AMSGrad, O.AMSGrad(0.001, (0.9, 0.999), 1e-8), has_lr=True,
+        references=(Reference("AMSGrad()", lambda: O.AMSGrad(), r_amsgrad(0.001, (0.9, 0.999), 1e-8), 5),
+                    Reference("AMSGrad(.1,(.8,.95))", lambda: O.AMSGrad(lr=0.1, beta=(0.8, 0.95), eps=1e-6),
+                              r_amsgrad(0.1, (0.8, 0.95), 1e-6), 5)),
+        converges=(Converges("AMSGrad(1e-2)", lambda: O.AMSGrad(1e-2), 0.01),),               # 1.3e-7
+        dtypes=(Case("AMSGrad", lambda: O.AMSGrad()),),
+        bfloat16=(Case("AMSGrad", lambda: O.AMSGrad(0.1)),),
+        keywords=((lambda: O.AMSGrad(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.AMSGrad(0.2, (0.8, 0.9), 1e-6)),),
+        bad=(Bad("nu_dtype array", lambda: O.AMSGrad(nu_dtype=jnp.zeros(2)), TypeError,
+                 "AMSGrad: nu_dtype must be a real floating dtype"),),
+        state_dtypes=(StateDtypes("AMSGrad", lambda **k: O.AMSGrad(0.01, **k), ("mu", "nu", "nu")),),
+    ),
+    RuleCases(
+        O.NAdam, O.NAdam(0.001, (0.9, 0.999), 1e-8), has_lr=True,
+        references=(Reference("NAdam()", lambda: O.NAdam(), r_nadam(0.001, (0.9, 0.999), 1e-8), 5),
+                    Reference("NAdam(.1,(.8,.95))", lambda: O.NAdam(lr=0.1, beta=(0.8, 0.95), eps=1e-6),
+                              r_nadam(0.1, (0.8, 0.95), 1e-6), 5)),
+        converges=(Converges("NAdam(1e-2)", lambda: O.NAdam(1e-2), 0.01),),                   # 1.4e-4
+        dtypes=(Case("NAdam", lambda: O.NAdam()),),
+        bfloat16=(Case("NAdam", lambda: O.NAdam(0.1)),),
+        complex_=(Case("NAdam", lambda: O.NAdam(1e-2)),),
+        keywords=((lambda: O.NAdam(eps=1e-6, beta=(0.8, 0.9), lr=0.2), lambda: O.NAdam(0.2, (0.8, 0.9), 1e-6)),),
+        bad=(Bad("beta1 > 1", lambda: O.NAdam(beta=(1.5, 0.9)), ValueError, r"NAdam: beta\[0\] must be in \[0, 1\)"),),
+        state_dtypes=(StateDtypes("NAdam", lambda **k: O.NAdam(0.01, **k), ("mu", "nu", None)),),
+    ),
+    RuleCases(
+        O.AdamW, O.AdamW(0.001, (0.9, 0.999), 0.0, 1e-8, True), has_lr=True,
+        references=(
+            Reference("AdamW()", lambda: O.AdamW(), r_adamw(0.001, (0.9, 0.999), 0.0, 1e-8, True), 5),
+            Reference("AdamW(couple=True)",
+                      lambda: O.AdamW(lr=0.1, beta=(0.8, 0.95), weight_decay=0.3, eps=1e-6, couple=True),
+                      r_adamw(0.1, (0.8, 0.95), 0.3, 1e-6, couple=True), 5),
+            Reference("AdamW(couple=False)",
+                      lambda: O.AdamW(lr=0.1, beta=(0.8, 0.95), weight_decay=0.3, eps=1e-6, couple=False),
+                      r_adamw(0.1, (0.8, 0.95), 0.3, 1e-6, couple=False), 5),
+            Reference("AdamW(default lr, wd=.1)", lambda: O.AdamW(0.001, (0.9, 0.999), 0.1),
+                      r_adamw(0.001, (0.9, 0.999), 0.1), 5)),
+        converges=(Converges("AdamW(1e-2)", lambda: O.AdamW(1e-2), 0.01),                     # 1.4e-4
+                   Converges("AdamW(1e-2,couple=False)", lambda: O.AdamW(1e-2, couple=False), 0.01)),  # 1.4e-4
+        dtypes=(Case("AdamW", lambda: O.AdamW(weight_decay=0.1)),
+                Case("AdamWnc", lambda: O.AdamW(weight_decay=0.1, couple=False))),
+        bfloat16=(Case("AdamW", lambda: O.AdamW(0.1, weight_decay=0.1)),),
+        complex_=(Case("AdamW", lambda: O.AdamW(1e-2)),),
+        keywords=((lambda: O.AdamW(weight_decay=0.3, lr=0.1), lambda: O.AdamW(0.1, (0.9, 0.999), 0.3, 1e-8)),),
+        int_hyperparameters=(IntHyper("AdamW(weight_decay=0)", lambda: O.AdamW(1e-3, weight_decay=0),
+                                      "weight_decay"),),
+        bad=(Bad("beta triple", lambda: O.AdamW(beta=(0.9, 0.99, 0.9)), TypeError, "AdamW: beta must be a pair"),
+             Bad("beta numpy array", lambda: O.AdamW(beta=(np.array([0.9]), 0.999)), ValueError,
+                 r"AdamW: beta\[0\] must be a scalar, got an array of shape \(1,\)"),
+             Bad("nu_dtype complex", lambda: O.AdamW(nu_dtype=jnp.complex64), TypeError,
+                 "AdamW: nu_dtype must be a real floating dtype")),
+        structural=(Bad("AdamW couple", lambda: O.AdamW(couple=None), TypeError,
+                        "AdamW: couple must be True or False, got NoneType"),),
+        state_dtypes=(StateDtypes("AdamW", lambda **k: O.AdamW(0.01, weight_decay=0.1, **k), ("mu", "nu", None)),),
+    ),
+    RuleCases(
+        O.AdaBelief, O.AdaBelief(0.001, (0.9, 0.999), 1e-16), has_lr=True,
+        references=(Reference("AdaBelief()", lambda: O.AdaBelief(), r_adabelief(0.001, (0.9, 0.999), 1e-16), 5),
+                    Reference("AdaBelief(.1,(.8,.95))", lambda: O.AdaBelief(lr=0.1, beta=(0.8, 0.95), eps=1e-8),
+                              r_adabelief(0.1, (0.8, 0.95), 1e-8), 5)),
+        converges=(Converges("AdaBelief(1e-2)", lambda: O.AdaBelief(1e-2), 0.01),),           # 1e-10
+        dtypes=(Case("AdaBelief", lambda: O.AdaBelief()),),
+        bfloat16=(Case("AdaBelief", lambda: O.AdaBelief(0.1)),),
+        complex_=(Case("AdaBelief", lambda: O.AdaBelief(1e-2)),),
+        keywords=((lambda: O.AdaBelief(eps=1e-6, beta=(0.8, 0.9), lr=0.2),
+                   lambda: O.AdaBelief(0.2, (0.8, 0.9), 1e-6)),),
+        bad=(Bad("beta jax 1", lambda: O.AdaBelief(beta=(0.9, jnp.asarray(1.0))), ValueError,
+                 r"AdaBelief: beta\[1\] must be in"),),
+        state_dtypes=(StateDtypes("AdaBelief", lambda **k: O.AdaBelief(0.01, **k), ("mu", "nu", None)),),
+    ),
+    RuleCases(
+        O.ADOPT, O.ADOPT(1e-3, (0.9, 0.9999), 1e-6, False, True), has_lr=True,
+        references=(
+            Reference("ADOPT()", lambda: O.ADOPT(), r_adopt(1e-3, (0.9, 0.9999), 1e-6), 5),
+            # beta2 .9 and a small eps so that |g| / sqrt(v) passes the clip t^(1/4) at some steps
+            Reference("ADOPT(.1,(.8,.9),1e-3)", lambda: O.ADOPT(0.1, (0.8, 0.9), 1e-3),
+                      r_adopt(0.1, (0.8, 0.9), 1e-3), 8),
+            Reference("ADOPT(nesterov)", lambda: O.ADOPT(0.1, (0.8, 0.9), nesterov=True),
+                      r_adopt(0.1, (0.8, 0.9), 1e-6, nesterov=True), 8),
+            Reference("ADOPT(no clipping)", lambda: O.ADOPT(0.1, (0.8, 0.9), use_clipping=False),
+                      r_adopt(0.1, (0.8, 0.9), 1e-6, clip=False), 8)),
+        stacked=(Case("ADOPT+schedule", lambda: O.ADOPT(O.Linear(0.1, 0.01, 4))),),
+        # 5e-2: at 1e-2 the loss is still .33 after 2000 steps (β₂ = .9999 adapts v slowly)
+        converges=(Converges("ADOPT(5e-2)", lambda: O.ADOPT(5e-2), 0.01),),                   # 3.8e-4
+        dtypes=(Case("ADOPT", lambda: O.ADOPT()),),
+        bfloat16=(Case("ADOPT", lambda: O.ADOPT(0.1)),),
+        keywords=((lambda: O.ADOPT(use_clipping=False, eps=1e-5, beta=(0.8, 0.9), lr=0.2),
+                   lambda: O.ADOPT(0.2, (0.8, 0.9), 1e-5, False, False)),),
+        bad=(Bad("ADOPT beta2 = 1", lambda: O.ADOPT(beta=(0.9, 1.0)), ValueError,
+                 r"ADOPT: beta\[1\] must be in \[0, 1\) and finite, got 1.0"),
+             Bad("ADOPT eps", lambda: O.ADOPT(eps=-1e-6), ValueError, "ADOPT: eps must be >= 0 and finite")),
+        structural=(Bad("ADOPT nesterov", lambda: O.ADOPT(nesterov="no"), TypeError,
+                        "ADOPT: nesterov must be True or False, got str 'no'"),
+                    Bad("ADOPT use_clipping", lambda: O.ADOPT(use_clipping=1), TypeError,
+                        "ADOPT: use_clipping must be True or False, got int 1")),
+        x64_optax=(Optax("ADOPT()", lambda: O.ADOPT(0.01), lambda: optax.contrib.adopt(0.01), defaults=True),
+                   Optax("ADOPT(all,nesterov)", lambda: O.ADOPT(0.05, (0.8, 0.99), 1e-4, nesterov=True),
+                         lambda: optax.contrib.adopt(0.05, b1=0.8, b2=0.99, eps=1e-4, nesterov=True))),
+        adjust=((lambda: O.ADOPT(0.01), [{"lr": 0.001}, {"beta": (0.5, 0.9), "eps": 1e-4}]),),
+    ),
+    RuleCases(
+        O.Lion, O.Lion(1e-4, (0.9, 0.99)), has_lr=True,
+        references=(Reference("Lion()", lambda: O.Lion(), r_lion(1e-4, (0.9, 0.99)), 5),
+                    Reference("Lion(.1,(.8,.95))", lambda: O.Lion(lr=0.1, beta=(0.8, 0.95)), r_lion(0.1, (0.8, 0.95)),
+                              5)),
+        stacked=(Case("Lion(bf16 m)", lambda: O.Lion(0.1, mu_dtype=jnp.bfloat16)),),
+        converges=(Converges("Lion(3e-3)", lambda: O.Lion(3e-3), 0.01),),                     # 5.9e-5
+        dtypes=(Case("Lion", lambda: O.Lion()),),
+        bfloat16=(Case("Lion", lambda: O.Lion(0.1)),),
+        keywords=((lambda: O.Lion(beta=(0.8, 0.9), lr=0.2), lambda: O.Lion(0.2, (0.8, 0.9))),),
+        bad=(Bad("beta negative", lambda: O.Lion(beta=(0.9, -0.1)), ValueError, r"Lion: beta\[1\] must be in \[0, 1\)"),
+             Bad("beta schedule grows", lambda: O.Lion(beta=(O.Exponential(0.5, 1.1, 10), 0.99)), ValueError,
+                 r"Lion: beta\[0\] must be in \[0, 1\) at every step, but the schedule .* takes values up to inf"),
+             Bad("mu_dtype bool", lambda: O.Lion(mu_dtype=bool), TypeError,
+                 "Lion: mu_dtype must be a real floating dtype"),
+             Bad("no nu for Lion", lambda: O.Lion(nu_dtype=jnp.bfloat16), TypeError, "nu_dtype")),
+        state_dtypes=(StateDtypes("Lion", lambda **k: O.Lion(0.01, **k), ("mu",)),),
+    ),
+    RuleCases(
+        O.WeightDecay, O.WeightDecay(5e-4),
+        references=(Reference("WeightDecay()", lambda: O.WeightDecay(), r_weightdecay(5e-4), 5),
+                    Reference("WeightDecay(.3)", lambda: O.WeightDecay(weight_decay=0.3), r_weightdecay(0.3), 5)),
+        # the decay biases w away from w'
+        converges=(Converges("WeightDecay()", lambda: O.WeightDecay(), 0.01),),               # 8.5e-4
+        dtypes=(Case("WeightDecay", lambda: O.WeightDecay()),),
+        keywords=((lambda: O.WeightDecay(weight_decay=0.2), lambda: O.WeightDecay(0.2)),),
+    ),
+    RuleCases(
+        O.SignDecay, O.SignDecay(1e-3),
+        references=(Reference("SignDecay()", lambda: O.SignDecay(), r_signdecay(1e-3), 5),
+                    Reference("SignDecay(.3)", lambda: O.SignDecay(weight_decay=0.3), r_signdecay(0.3), 5)),
+        converges=(Converges("SignDecay()", lambda: O.SignDecay(), 0.01),),                   # 3.3e-3 (likewise)
+        dtypes=(Case("SignDecay", lambda: O.SignDecay()),),
+        keywords=((lambda: O.SignDecay(weight_decay=0.2), lambda: O.SignDecay(0.2)),),
+    ),
+    RuleCases(
+        O.ClipGrad, O.ClipGrad(10.0),
+        references=(Reference("ClipGrad()", lambda: O.ClipGrad(), r_clipgrad(10.0), 5),
+                    Reference("ClipGrad(1.5)", lambda: O.ClipGrad(delta=1.5), r_clipgrad(1.5), 5)),
+        converges=(Converges("ClipGrad()", lambda: O.ClipGrad(), 0.01),),                     # 2.5e-13
+        dtypes=(Case("ClipGrad", lambda: O.ClipGrad()),),
+        keywords=((lambda: O.ClipGrad(delta=2.5), lambda: O.ClipGrad(2.5)),),
+        int_hyperparameters=(IntHyper("ClipGrad(2)", lambda: O.ClipGrad(2), "delta"),),
+    ),
+    RuleCases(
+        O.ClipNorm, O.ClipNorm(10.0, 2), reduces_over_parameter=True,
+        references=(
+            Reference("ClipNorm()", lambda: O.ClipNorm(), r_clipnorm(10.0, 2), 5),
+            Reference("ClipNorm(4,p=2)", lambda: O.ClipNorm(max_norm=4.0, p=2), r_clipnorm(4.0, 2), 5),
+            Reference("ClipNorm(6,p=1)", lambda: O.ClipNorm(max_norm=6.0, p=1), r_clipnorm(6.0, 1), 5),
+            Reference("ClipNorm(2,p=inf)", lambda: O.ClipNorm(max_norm=2.0, p=float("inf")), r_clipnorm(2.0, np.inf),
+                      5),
+            Reference("ClipNorm(5.5,p=0)", lambda: O.ClipNorm(max_norm=5.5, p=0), r_clipnorm(5.5, 0), 5)),
+        converges=(Converges("ClipNorm()", lambda: O.ClipNorm(), 0.01),),                     # 2.5e-13
+        dtypes=(Case("ClipNorm", lambda: O.ClipNorm()),),
+        keywords=((lambda: O.ClipNorm(p=1, max_norm=2.5), lambda: O.ClipNorm(2.5, 1)),),
+        int_hyperparameters=(IntHyper("ClipNorm(1)", lambda: O.ClipNorm(1), "max_norm"),),
+        bad=(Bad("ClipNorm p", lambda: O.ClipNorm(1.0, p="2"), TypeError, "ClipNorm: p must be a number"),),
+    ),
+    RuleCases(
+        O.OptimiserChain,
+        # chains (R1's list)
+        references=(
+            Reference("Chain(ClipGrad(1),Momentum(.1))",
+                      lambda: O.OptimiserChain(O.ClipGrad(1.0), O.Momentum(0.1, 0.9)),
+                      r_chain(r_clipgrad(1.0), r_momentum(0.1, 0.9)), 5),
+            Reference("Chain(WD(.1),OAdam(.1),ClipGrad(1))",
+                      lambda: O.OptimiserChain(O.WeightDecay(0.1), O.OAdam(0.1), O.ClipGrad(1.0)),
+                      r_chain(r_weightdecay(0.1), r_oadam(0.1), r_clipgrad(1.0)), 5),
+            Reference("Chain(SignDecay(.1),Adam(.1))", lambda: O.chain(O.SignDecay(0.1), O.Adam(0.1)),
+                      r_chain(r_signdecay(0.1), r_adam(0.1)), 5),
+            Reference("Chain(ClipNorm(2),Adam(.1))", lambda: O.OptimiserChain(O.ClipNorm(2.0), O.Adam(0.1)),
+                      r_chain(r_clipnorm(2.0, 2), r_adam(0.1)), 5),
+            Reference("Chain()", lambda: O.OptimiserChain(), r_descent(1.0), 5)),
+        converges=(
+            Converges("Chain(SignDecay,Adam(1e-2))", lambda: O.chain(O.SignDecay(), O.Adam(1e-2)), 0.01),  # 3.3e-3
+            Converges("Chain(ClipNorm,Adam(1e-2))", lambda: O.chain(O.ClipNorm(), O.Adam(1e-2)), 0.01),    # 1.4e-4
+            Converges("Chain(ClipGrad(.5),Momentum)", lambda: O.chain(O.ClipGrad(0.5), O.Momentum()), 0.01),  # 3.2e-3
+            Converges("Chain(WD,OAdam(1e-2),ClipGrad(1))",
+                      lambda: O.chain(O.WeightDecay(), O.OAdam(1e-2), O.ClipGrad(1)), 0.01)),             # 2.7e-3
+        dtypes=(Case("Chain(ClipGrad,Momentum)", lambda: O.OptimiserChain(O.ClipGrad(0.5), O.Momentum())),),
+    ),
+    RuleCases(
+        O.MixedPrecision,
+        references=(Reference("MixedPrecision(f32,Adam(.1))", lambda: O.MixedPrecision(jnp.float32, O.Adam(0.1)),
+                              r_adam(0.1), 5),),
+        converges=(Converges("MixedPrecision(f32,Adam(1e-2))", lambda: O.MixedPrecision(jnp.float32, O.Adam(1e-2)),
+                             0.01),),                                                            # 1.4e-4
+        dtypes=(Case("MixedPrecision(f32,Adam)", lambda: O.MixedPrecision(jnp.float32, O.Adam())),),
+        structural=(Bad("MixedPrecision rule", lambda: O.MixedPrecision(jnp.float32, 0.1), TypeError,
+                        r"MixedPrecision: rule must be a rule \(it needs init and apply\), got 0.1"),),
+    ),
+    RuleCases(
+        O.AccumGrad,
+        stacked=(Case("AccumGrad(2)+Adam", lambda: O.OptimiserChain(O.AccumGrad(2), O.Adam(0.1))),),
+        dtypes=(Case("Chain(AccumGrad(2),Adam)", lambda: O.OptimiserChain(O.AccumGrad(2), O.Adam())),),
+        keywords=((lambda: O.AccumGrad(n=3), lambda: O.AccumGrad(3)),),
+        bad=(Bad("AccumGrad(0)", lambda: O.AccumGrad(0), ValueError, "AccumGrad: n must be an integer >= 1, got 0"),
+             Bad("AccumGrad(jnp 0)", lambda: O.AccumGrad(jnp.asarray(0)), ValueError,
+                 "AccumGrad: n must be an integer >= 1"),
+             Bad("AccumGrad(2.5)", lambda: O.AccumGrad(2.5), ValueError,
+                 "AccumGrad: n must be an integer >= 1, got 2.5"),
+             Bad("AccumGrad('2')", lambda: O.AccumGrad("2"), TypeError, "AccumGrad: n must be an integer, got str")),
+    ),
+    RuleCases(
+        O.ClipGlobalNorm, reduces_over_parameter=True,
+        stacked=(Case("ClipGlobalNorm(1)+Adam", lambda: O.OptimiserChain(O.ClipGlobalNorm(1.0), O.Adam(0.1))),),
+        int_hyperparameters=(IntHyper("ClipGlobalNorm(1)", lambda: O.ClipGlobalNorm(1), "max_norm"),),
+    ),
+    RuleCases(
+        O.SkipNonFinite, reduces_over_parameter=True,
+        stacked=(Case("SkipNonFinite(Adam)", lambda: O.SkipNonFinite(O.Adam(0.1))),),
+        structural=(Bad("SkipNonFinite rule", lambda: O.SkipNonFinite(None), TypeError,
+                        r"SkipNonFinite: rule must be a rule \(it needs init and apply\), got None"),),
+    ),
+    RuleCases(
+        O.Lamb, reduces_over_parameter=True, trust_ratio=True,
+        stacked=(Case("Lamb(.1,wd)", lambda: O.Lamb(0.1, weight_decay=0.1)),),
+        bad=(Bad("Lamb lr", lambda: O.Lamb(-0.1), ValueError, "Lamb: lr must be >= 0 and finite, got -0.1"),
+             Bad("Lamb beta", lambda: O.Lamb(beta=(0.9, 1.0)), ValueError, r"Lamb: beta\[1\] must be in \[0, 1\)"),
+             Bad("Lamb eps_root", lambda: O.Lamb(eps_root=-1e-8), ValueError, "Lamb: eps_root must be >= 0")),
+        x64_optax=(Optax("Lamb()", lambda: O.Lamb(0.01), lambda: optax.lamb(0.01), defaults=True),
+                   Optax("Lamb(all)", lambda: O.Lamb(0.02, beta=(0.8, 0.99), eps=1e-5, weight_decay=0.1, eps_root=1e-8),
+                         lambda: optax.lamb(0.02, b1=0.8, b2=0.99, eps=1e-5, eps_root=1e-8, weight_decay=0.1))),
+        adjust=((lambda: O.Lamb(0.01, weight_decay=0.1), [{"lr": 0.001}, {"beta": (0.5, 0.9), "weight_decay": 0.0}]),),
+    ),
+    RuleCases(
+        O.Lars, reduces_over_parameter=True, trust_ratio=True,
+        stacked=(Case("Lars(1,wd,nesterov)", lambda: O.Lars(1.0, weight_decay=0.1, trust_coefficient=0.02,
+                                                             nesterov=True)),),
+        bad=(Bad("Lars lr", lambda: O.Lars(lr=-1.0), ValueError, "Lars: lr must be >= 0 and finite, got -1.0"),
+             Bad("Lars rho", lambda: O.Lars(1.0, rho=1.5), ValueError, r"Lars: rho must be in \[0, 1\]"),
+             Bad("Lars trust", lambda: O.Lars(trust_coefficient=float("nan")), ValueError,
+                 "Lars: trust_coefficient must be")),
+        structural=(Bad("Lars nesterov", lambda: O.Lars(nesterov="no"), TypeError,
+                        "Lars: nesterov must be True or False, got str"),),
+        x64_optax=(Optax("Lars()", lambda: O.Lars(0.5), lambda: optax.lars(0.5), defaults=True),
+                   Optax("Lars(all,nesterov)", lambda: O.Lars(2.0, rho=0.8, weight_decay=0.01, trust_coefficient=0.02,
+                                                              eps=1e-3, nesterov=True),
+                         lambda: optax.lars(2.0, weight_decay=0.01, trust_coefficient=0.02, eps=1e-3, momentum=0.8,
+                                            nesterov=True))),
+        adjust=((lambda: O.Lars(1.0), [{"lr": 0.1}, {"rho": 0.5, "trust_coefficient": 0.01, "eps": 1e-3}]),),
+    ),
+    RuleCases(
+        O.ScheduleFreeAdamW, evaluates_at_average=True,
+        stacked=(Case("ScheduleFreeAdamW(.1,wd,warmup)", lambda: O.ScheduleFreeAdamW(0.1, weight_decay=0.1,
+                                                                                      warmup_steps=2)),),
+        bad=(Bad("SF lr", lambda: O.ScheduleFreeAdamW(-0.1), ValueError,
+                 "ScheduleFreeAdamW: lr must be >= 0 and finite"),
+             Bad("SF beta1 0", lambda: O.ScheduleFreeAdamW(beta=(0.0, 0.999)), ValueError,
+                 r"ScheduleFreeAdamW: beta\[0\] must be in \(0, 1\)"),
+             Bad("SF warmup", lambda: O.ScheduleFreeAdamW(warmup_steps=-1), ValueError,
+                 "ScheduleFreeAdamW: warmup_steps must"),
+             Bad("SF power", lambda: O.ScheduleFreeAdamW(weight_lr_power="2"), TypeError,
+                 "weight_lr_power must be a real")),
+        x64_optax=(Optax("ScheduleFreeAdamW()", lambda: O.ScheduleFreeAdamW(),
+                         lambda: optax.contrib.schedule_free_adamw(), defaults=True),
+                   Optax("ScheduleFreeAdamW(all,warmup)",
+                         lambda: O.ScheduleFreeAdamW(0.05, beta=(0.85, 0.99), eps=1e-6, weight_decay=0.1,
+                                                     warmup_steps=5, weight_lr_power=1.5),
+                         lambda: _sf_adamw_warmup64(0.05, warmup_steps=5, b1=0.85, b2=0.99, eps=1e-6,
+                                                    weight_decay=0.1, weight_lr_power=1.5))),
+        adjust=((lambda: O.ScheduleFreeAdamW(0.01, warmup_steps=2),
+                 [{"lr": 0.001}, {"beta": (0.5, 0.9), "warmup_steps": 10.0, "weight_lr_power": 1.0,
+                                  "weight_decay": 0.1}]),),
+    ),
+    RuleCases(
+        O.Adafactor, reduces_over_parameter=True,
+        stacked=(Case("Adafactor(factored,momentum,wd)", lambda: O.Adafactor(0.1, momentum=0.9, weight_decay=0.01,
+                                                                              min_dim_size_to_factor=3)),
+                 Case("Adafactor(unfactored)", lambda: O.Adafactor(0.1, factored=False))),
+        adjust=((lambda: O.Adafactor(0.01, momentum=0.9, min_dim_size_to_factor=2),
+                 [{"lr": 0.1}, {"decay_rate": 0.5, "momentum": 0.5, "weight_decay": 0.1, "clipping_threshold": 2.0,
+                                "eps": 1e-20, "min_scale": 1e-2, "decay_offset": 0}]),),
+    ),
+    # Muon takes matrices only: no reference case (those run on vectors and scalars too); its own tests are in
+    # test_rules.py section 5 and test_stacking.py::test_muon_stacked_equals_per_leaf.
+    RuleCases(
+        O.Muon, reduces_over_parameter=True,
+        bad=(Bad("Muon rho", lambda: O.Muon(0.02, rho=2.0), ValueError, r"Muon: rho must be in \[0, 1\)"),),
+        structural=(
+            Bad("Muon steps -1", lambda: O.Muon(steps=-1), ValueError,
+                r"Muon: steps must be >= 1, got -1 \(with no iteration the momentum is not orthogonalised\)"),
+            Bad("Muon steps 0", lambda: O.Muon(steps=0), ValueError, "Muon: steps must be >= 1, got 0"),
+            Bad("Muon steps 2.5", lambda: O.Muon(steps=2.5), TypeError,
+                "Muon: steps must be an integer, got float 2.5"),
+            Bad("Muon steps str", lambda: O.Muon(steps="5"), TypeError, "Muon: steps must be an integer, got str '5'"),
+            Bad("Muon steps bool", lambda: O.Muon(steps=True), TypeError, "Muon: steps must be an integer, got bool"),
+            Bad("Muon nesterov", lambda: O.Muon(nesterov="no"), TypeError,
+                "Muon: nesterov must be True or False, got str 'no'"),
+            Bad("Muon adaptive", lambda: O.Muon(adaptive=1), TypeError,
+                "Muon: adaptive must be True or False, got int 1")),
+        adjust=((lambda: O.Muon(0.02, consistent_rms=0.2),
+                 [{"lr": 0.001}, {"rho": 0.5, "eps": 1e-6, "weight_decay": 0.1, "consistent_rms": 0.3}]),),
+    ),
+]
+BY_CLASS = {r.cls: r for r in RULES}
+
+
+def reduces(rule: Any) -> bool:
+    """Whether `rule`'s step depends on a whole parameter: its class says so, or a rule inside it does."""
+    entry = BY_CLASS.get(type(rule))
+    if entry is not None and entry.reduces_over_parameter:
+        return True
+    inner = [getattr(rule, f) for f in inner_fields(rule)]
+    return any(reduces(r) for v in inner for r in (v if isinstance(v, tuple) else (v,)))
+
+
+def table(field: str, where: Callable[[RuleCases], bool] = lambda r: True) -> list:
+    """The entries of `field` of every rule (for which `where` holds), in the order of `RULES`."""
+    return [c for r in RULES if where(r) for c in getattr(r, field)]

@@ -1,0 +1,286 @@
+"""float64 numpy references of the rules, one `r_*` per formula, for `rule_cases.py`.
+
+Each is written from the rule's definition (Optimisers.jl v0.4's `src/rules.jl`; Lion and ADOPT from their
+papers and optax), independently of optim's code. A reference is `Ref(init(x) -> state, apply(state, x, g) ->
+(state, delta))`, and `x <- x - delta`. Hyperparameters are rounded to float32 first (`f32`), as Optimisers.jl
+casts them to the parameter's eltype, and the rest is computed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def f32(v):
+    """A hyperparameter as float32 sees it, in float64 (Optimisers.jl casts hyperparameters to eltype(x))."""
+    if isinstance(v, tuple):
+        return tuple(f32(u) for u in v)
+    return float(np.float32(v))
+
+
+
+class Ref:
+    def __init__(self, init, apply):
+        self.init, self.apply = init, apply
+
+
+def r_descent(lr=0.1):
+    lr = f32(lr)
+    return Ref(lambda x: None, lambda s, x, g: (s, lr * g))
+
+
+def r_momentum(lr=0.01, rho=0.9):
+    lr, rho = f32(lr), f32(rho)
+
+    def apply(v, x, g):
+        v = rho * v + lr * g
+        return v, v
+    return Ref(np.zeros_like, apply)
+
+
+def r_nesterov(lr=0.001, rho=0.9):
+    lr, rho = f32(lr), f32(rho)
+
+    def apply(v, x, g):
+        delta = -rho ** 2 * v + (1 + rho) * lr * g
+        return rho * v - lr * g, delta
+    return Ref(np.zeros_like, apply)
+
+
+def r_rprop(lr=1e-3, ell=(0.5, 1.2), gamma=(1e-6, 50.0)):
+    lr, (lo, hi), (gmin, gmax) = f32(lr), f32(ell), f32(gamma)
+
+    def apply(s, x, g):
+        gp, eta = s
+        eta, gp = eta.copy(), gp.copy()
+        for i in range(g.size):
+            if gp[i] * g[i] > 0:
+                eta[i] = min(hi * eta[i], gmax)
+                gp[i] = g[i]
+            elif gp[i] * g[i] < 0:
+                eta[i] = max(lo * eta[i], gmin)
+                gp[i] = 0.0
+            else:
+                gp[i] = g[i]
+        return (gp, eta), eta * np.sign(gp)
+    return Ref(lambda x: (np.zeros_like(x), np.full_like(x, lr)), apply)
+
+
+def r_rmsprop(lr=0.001, rho=0.9, eps=1e-8, centred=False):
+    lr, rho, eps = f32(lr), f32(rho), f32(eps)
+
+    def apply(s, x, g):
+        q, l = s
+        q = rho * q + (1 - rho) * g ** 2
+        l = rho * l + (1 - rho) * g
+        denom = np.sqrt(q - l ** 2) if centred else np.sqrt(q)
+        return (q, l), lr * g / (denom + eps)
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x)), apply)
+
+
+def _adam_init(beta):
+    return lambda x: (np.zeros_like(x), np.zeros_like(x), 1)
+
+
+def r_adam(lr=0.001, beta=(0.9, 0.999), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, v, t = s
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        return (m, v, t + 1), lr * mh / (np.sqrt(vh) + eps)
+    return Ref(_adam_init(beta), apply)
+
+
+def r_radam(lr=0.001, beta=(0.9, 0.999), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+    rho_inf = 2 / (1 - b2) - 1
+
+    def apply(s, x, g):
+        m, v, t = s
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        bt1, bt2 = b1 ** t, b2 ** t
+        mh, vh = m / (1 - bt1), v / (1 - bt2)
+        rho = rho_inf - 2 * t * bt2 / (1 - bt2)
+        if rho > 4:
+            r = math.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+            delta = lr * r * mh / (np.sqrt(vh) + eps)
+        else:
+            delta = lr * mh
+        return (m, v, t + 1), delta
+    return Ref(_adam_init(beta), apply)
+
+
+def r_adamax(lr=0.001, beta=(0.9, 0.999), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, u, t = s
+        m = b1 * m + (1 - b1) * g
+        u = np.maximum(b2 * u, np.abs(g))
+        return (m, u, t + 1), lr * (m / (1 - b1 ** t)) / (u + eps)
+    return Ref(_adam_init(beta), apply)
+
+
+def r_oadam(lr=0.001, beta=(0.5, 0.9), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, v, t, T = s
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        Tn = lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        return (m, v, t + 1, Tn), 2 * Tn - T
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), 1, np.zeros_like(x)), apply)
+
+
+def r_adagrad(lr=0.1, eps=1e-8):
+    lr, eps = f32(lr), f32(eps)
+
+    def apply(acc, x, g):
+        acc = acc + g ** 2
+        return acc, lr * g / (np.sqrt(acc) + eps)
+    return Ref(lambda x: np.full_like(x, eps), apply)
+
+
+def r_adadelta(rho=0.9, eps=1e-8):
+    rho, eps = f32(rho), f32(eps)
+
+    def apply(s, x, g):
+        a, d = s
+        a = rho * a + (1 - rho) * g ** 2
+        delta = g * np.sqrt(d + eps) / np.sqrt(a + eps)
+        d = rho * d + (1 - rho) * delta ** 2
+        return (a, d), delta
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x)), apply)
+
+
+def r_amsgrad(lr=0.001, beta=(0.9, 0.999), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, v, vh = s
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        vh = np.maximum(vh, v)
+        return (m, v, vh), lr * m / (np.sqrt(vh) + eps)
+    return Ref(lambda x: (np.full_like(x, eps), np.full_like(x, eps), np.full_like(x, eps)), apply)
+
+
+def r_nadam(lr=0.001, beta=(0.9, 0.999), eps=1e-8):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, v, t = s
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        bt1, bt2 = b1 ** t, b2 ** t
+        num = b1 * m / (1 - b1 * bt1) + (1 - b1) * g / (1 - bt1)
+        return (m, v, t + 1), lr * num / (np.sqrt(v * b2 / (1 - bt2)) + eps)
+    return Ref(_adam_init(beta), apply)
+
+
+def r_adamw(lr=0.001, beta=(0.9, 0.999), weight_decay=0.0, eps=1e-8, couple=True):
+    lr, lam = f32(lr), f32(weight_decay)
+    inner = r_adam(1.0, beta, eps)
+
+    def apply(s, x, g):
+        s, A = inner.apply(s, x, g)
+        return s, (lr * (A + lam * x) if couple else lr * A + lam * x)
+    return Ref(inner.init, apply)
+
+
+def r_adabelief(lr=0.001, beta=(0.9, 0.999), eps=1e-16):
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(st, x, g):
+        m, s, t = st
+        m = b1 * m + (1 - b1) * g
+        s = b2 * s + (1 - b2) * (g - m) ** 2 + eps
+        return (m, s, t + 1), lr * (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
+    return Ref(_adam_init(beta), apply)
+
+
+def r_lion(lr=1e-4, beta=(0.9, 0.99)):
+    """The paper (Chen et al. 2023, arXiv:2302.06675): step with the previous m, then update m."""
+    lr, (b1, b2) = f32(lr), f32(beta)
+
+    def apply(m, x, g):
+        delta = lr * np.sign(b1 * m + (1 - b1) * g)
+        return b2 * m + (1 - b2) * g, delta
+    return Ref(np.zeros_like, apply)
+
+
+def r_lion_optimisers_jl(lr=1e-4, beta=(0.9, 0.99)):
+    """Optimisers.jl v0.4's Lion (the swapped EMA weights), only to show optim does NOT do this."""
+    lr, (b1, b2) = f32(lr), f32(beta)
+
+    def apply(m, x, g):
+        m = b2 * g + (1 - b2) * m
+        return m, lr * np.sign((b2 - b1) * g + b1 * m)
+    return Ref(np.zeros_like, apply)
+
+
+def r_weightdecay(lam=5e-4):
+    lam = f32(lam)
+    return Ref(lambda x: None, lambda s, x, g: (s, g + lam * x))
+
+
+def r_signdecay(lam=1e-3):
+    lam = f32(lam)
+    return Ref(lambda x: None, lambda s, x, g: (s, g + lam * np.sign(x)))
+
+
+def r_clipgrad(delta=10.0):
+    delta = f32(delta)
+    return Ref(lambda x: None, lambda s, x, g: (s, np.clip(g, -delta, delta)))
+
+
+def r_clipnorm(omega=10.0, p=2):
+    omega = f32(omega)
+
+    def norm(g):
+        if p == 0:
+            return float(np.count_nonzero(g))
+        if p == np.inf:
+            return float(np.max(np.abs(g)))
+        return float(np.sum(np.abs(g) ** p) ** (1 / p))
+
+    return Ref(lambda x: None, lambda s, x, g: (s, g * min(omega / norm(g), 1.0)))
+
+
+def r_chain(*rules):
+    def init(x):
+        return [r.init(x) for r in rules]
+
+    def apply(states, x, g):
+        new = []
+        for r, s in zip(rules, states):
+            s, g = r.apply(s, x, g)
+            new.append(s)
+        return new, g
+    return Ref(init, apply)
+
+
+
+def r_adopt(lr=1e-3, beta=(0.9, 0.9999), eps=1e-6, nesterov=False, clip=True):
+    """The paper (Taniguchi et al. 2024, arXiv:2411.02853, Algorithm 2) as `optax.contrib.adopt` writes it: the
+    first step only sets v; then g is normalised by the previous v and clipped to t^(1/4) (t = steps taken)."""
+    lr, (b1, b2), eps = f32(lr), f32(beta), f32(eps)
+
+    def apply(s, x, g):
+        m, v, t = s
+        if t == 0:
+            return (m, g ** 2, 1), np.zeros_like(g)
+        u = g / np.maximum(np.sqrt(v), eps)
+        if clip:
+            u = np.clip(u, -t ** 0.25, t ** 0.25)
+        m = b1 * m + (1 - b1) * u
+        step = b1 * m + (1 - b1) * u if nesterov else m
+        return (m, b2 * v + (1 - b2) * g ** 2, t + 1), lr * step
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), 0), apply)
