@@ -10,10 +10,23 @@ holding only `<!-- docs: no-run -->` right before its fence (blank lines in betw
 an HTML comment, so the site does not show it. Keep those few: `MAX_NO_RUN` caps them, and a marker that is
 not followed by a ```python fence fails the test. The pages assert what they claim
 (`assert m["enc"] is m["dec"]`), so a block that runs is a checked claim, not only one that does not crash.
+
+What a block prints is shown on the page in an ```output block right after it (blank lines in between are
+allowed), and the test compares: the block's stdout, trailing whitespace of each line and trailing blank lines
+removed, must equal the output block's text. A block that prints and has no output block fails, and so does an
+output block that follows no python block that ran. The outputs are written in the sources, not computed when the
+site is built, so `mkdocs build` stays a few seconds (running every page takes ~40 s); tests/README.md says why.
+
+No line of a code block (any language) is wider than the code column of the built site: `MAX_CODE_COLUMNS`
+characters, the width measured at a 1280 px browser window (tests/README.md says how), so nothing is cut off at the
+right of the column. Output blocks are exempt: they show what was printed, exactly, and the site wraps their long
+lines (`docs/stylesheets/extra.css`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pathlib
 import re
 import textwrap
@@ -24,6 +37,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 NO_RUN = "<!-- docs: no-run -->"
 MAX_NO_RUN = 8
+# mkdocs-material at a 1280 px window: the code column is 656 px inside its padding, 8.18 px per character of the
+# 13.6 px monospace font: 80 characters (tests/README.md, "Docs pages").
+MAX_CODE_COLUMNS = 80
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 
@@ -41,17 +57,66 @@ def blocks(text: str) -> list[tuple[int, str, str, bool]]:
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text())
 
 
+def _lines(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+
+
+def following_outputs(text: str) -> dict[int, str | None]:
+    """For each ```python fence (by line number): the text of the ```output block right after it, or None."""
+    found = list(FENCE.finditer(text))
+    out: dict[int, str | None] = {}
+    for m, nxt in zip(found, found[1:] + [None]):
+        if m["lang"] != "python":
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        right_after = nxt is not None and nxt["lang"] == "output" and not text[m.end() : nxt.start()].strip()
+        out[line] = textwrap.dedent(nxt["body"]) if right_after else None
+    return out
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_page_code_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     scope: dict = {"__name__": f"docs.{page.stem}"}
-    for line, lang, code, marked in blocks(page.read_text()):
+    text = page.read_text()
+    expected = following_outputs(text)
+    for line, lang, code, marked in blocks(text):
         if lang != "python" or marked:
             continue
+        where = f"{page.relative_to(ROOT)}, the block at line {line}"
+        stdout = io.StringIO()
         try:
-            exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), scope)
+            with contextlib.redirect_stdout(stdout):
+                exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), scope)
         except Exception as e:
-            raise AssertionError(f"{page.relative_to(ROOT)}, the block at line {line} failed: {e!r}") from e
+            raise AssertionError(f"{where} failed: {e!r}") from e
+        printed, shown = _lines(stdout.getvalue()), expected[line]
+        if shown is None:
+            assert not printed, f"{where} prints, and no ```output block follows it to show it:\n{printed}"
+        else:
+            assert printed == _lines(shown), f"{where} printed\n{printed}\nbut its output block shows\n{shown}"
+
+
+def test_every_output_block_follows_a_python_block_that_runs():
+    for page in DOCS.rglob("*.md"):
+        text = page.read_text()
+        runs = {line for line, lang, _, m in blocks(text) if lang == "python" and not m}
+        outputs = sum(lang == "output" for _, lang, _, _ in blocks(text))
+        attached = sum(shown is not None for line, shown in following_outputs(text).items() if line in runs)
+        assert outputs == attached, f"{page.relative_to(ROOT)}: an ```output block after no python block that runs"
+
+
+def test_no_code_line_is_wider_than_the_column():
+    long = [
+        f"{page.relative_to(ROOT)}:{line + i}: {len(row)} > {MAX_CODE_COLUMNS}: {row.strip()[:40]}..."
+        for page in sorted(DOCS.rglob("*.md"))
+        for line, lang, code, _ in blocks(page.read_text())
+        if lang != "output"
+        for i, row in enumerate(code.splitlines(), start=1)
+        if len(row) > MAX_CODE_COLUMNS
+    ]
+    why = "code lines wider than the docs' code column (break them, move comments above):\n"
+    assert long == [], why + "\n".join(long)
 
 
 def test_no_run_markers_are_few_and_each_marks_a_python_block():
@@ -80,6 +145,14 @@ def test_api_reference_covers_every_public_name():
 
 
 def test_benchmarks_page_includes_the_results_file():
-    # pymdownx.snippets includes bench/RESULTS.md at build time (check_paths: a missing file fails the build).
-    assert '--8<-- "bench/RESULTS.md"' in (DOCS / "benchmarks.md").read_text()
-    assert (ROOT / "bench" / "RESULTS.md").exists()
+    # docs/_ext/hooks.py replaces the marker with the measured sections of bench/RESULTS.md at build time.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "_ext" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.BENCH_MARK in (DOCS / "benchmarks.md").read_text()
+    shown = hooks.bench_results((ROOT / "bench" / "RESULTS.md").read_text())
+    assert "## Summary" in shown and "Machine:" in shown
+    for internal in ("Issue 5", "issue 14", "NOTES.md", "RULES.md", "PROGRAM.md", "(optim "):
+        assert internal not in shown, internal

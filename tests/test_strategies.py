@@ -84,3 +84,19 @@ def test_wide_rules_are_those_a_strategy_keeps_stacked(monkeypatch):
     assert _strategies.wide_rules(rules) == frozenset({0, 2})
     monkeypatch.setattr(_fused, "ENABLED", False)
     assert _strategies.wide_rules(rules) == frozenset()
+
+
+def test_rules_setup_and_adjust_do_not_import_the_engine_strategies():
+    """The layering the registry exists for: the rule protocol, the rules, `setup` and `adjust` ask
+    `_engine/strategies.py` and never import a strategy, XLA's path or the jaxpr analysis themselves."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(optim.__file__).parent
+    forbidden = {"fused", "hoist", "jaxpr_deps", "kernel_choice", "xla"}
+    files = [root / "_core" / "setup.py", root / "_core" / "adjust.py", *sorted((root / "_rules").glob("*.py"))]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").rpartition(".")[2]} | {a.name for a in node.names}
+                assert not names & forbidden, f"{f.relative_to(root)} imports {names & forbidden}"

@@ -145,7 +145,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     array made without a device) is put where its state is.
 
     Same-shaped parameters are stacked into one array per state field with a leading member axis (see the
-    README's Performance section). A stack is sharded on the parameter's axes, never on the member axis: a
+    docs' Stacking page). A stack is sharded on the parameter's axes, never on the member axis: a
     member's `P(*spec)` becomes the stack's `P(None, *spec)`, so each device holds its slice of every member, as
     `fn` asked, and a member's state stays where it is when `adjust` or `freeze` regroups the stacks (the member
     axis's length depends on optim's grouping thresholds, so a sharding on it could not be what `fn` meant).

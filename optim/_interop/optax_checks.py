@@ -102,13 +102,13 @@ def _reachable(root: Any, max_depth: int, *, attributes: bool = True,
         seen.add(id(obj))
         yield obj
         if not stop(obj):
-            for part in _parts(obj, attributes):
+            for part in _children(obj, attributes):
                 yield from walk(part, depth + 1)
 
     return walk(root, 0)
 
 
-def _parts(obj: Any, attributes: bool) -> Iterator[Any]:
+def _children(obj: Any, attributes: bool) -> Iterator[Any]:
     """The objects one step inside `obj`, for `_reachable`."""
     if isinstance(obj, (types.FunctionType, types.MethodType)):
         fn = obj.__func__ if isinstance(obj, types.MethodType) else obj

@@ -1,5 +1,5 @@
-"""The two probes `from_optax` runs on an optax transformation when its rule is set up (`_check` in
-`optim/_interop/optax.py` calls them, after its list of known whole-tree transformations).
+"""The two probes `from_optax` runs on an optax transformation when its rule is set up (`check` in
+`optax_checks.py` calls them, after its list of known whole-tree transformations).
 
 `from_optax` runs `tx` on each parameter separately, with one array as the whole tree. That is right only for a
 transformation that acts on each array independently, and only if its updates are meant to be added.

@@ -1,4 +1,4 @@
-"""The checkpoint file format of `save` and `load` (`_checkpoint`): writing it, atomically, and reading it back.
+"""The checkpoint file format of `save` and `load` (`checkpoint.py`): writing it, atomically, and reading it back.
 
 A checkpoint is one `.npz`-style zip file of three `.npy` members, read back with `np.load(allow_pickle=False)`:
 a JSON description (`meta`, UTF-8 bytes), its SHA-256 (`check`) and every array's bytes in one blob (`data`,
