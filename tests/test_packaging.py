@@ -233,7 +233,9 @@ def test_wheel_installs_in_a_fresh_environment_and_runs_the_readme_tie_example(i
 def test_python_m_optim_prints_the_versions_and_the_kernel_status(installed, tmp_path):
     import jax
 
-    out = _run([str(installed / "bin" / "python"), "-I", "-m", "optim"], cwd=tmp_path)
+    # Without the suite's simulated devices (tests/conftest.py's background cases set XLA_FLAGS): one CPU device.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = _run([str(installed / "bin" / "python"), "-I", "-m", "optim"], cwd=tmp_path, env=env)
     jaxlib = importlib.metadata.version("jaxlib")
     assert re.search(rf"^optim: {re.escape(_source_version())} \({re.escape(str(installed))}/", out, re.M), out
     assert re.search(rf"^jax: {re.escape(jax.__version__)}$", out, re.M), out
@@ -244,7 +246,7 @@ def test_python_m_optim_prints_the_versions_and_the_kernel_status(installed, tmp
     assert re.search(rf"^  built against jaxlib {re.escape(jaxlib)} \(XLA FFI API \d+\.\d+\)$", out, re.M), out
     assert re.search(r"^devices: 1: cpu:0$", out, re.M), out
     off = _run([str(installed / "bin" / "python"), "-I", "-m", "optim"], cwd=tmp_path,
-               env={**os.environ, "OPTIM_FUSED": "0"})
+               env={**env, "OPTIM_FUSED": "0"})
     assert re.search(r"^fused CPU kernel: available, turned off \(OPTIM_FUSED=0\)$", off, re.M), off
 
 
