@@ -70,9 +70,18 @@ def _lowering(on_cpu: bool) -> Callable:
     def rule(ctx, *args, kernel, xla, n_consts):
         # jax.export lowers with `for_export`: an exported program must not need optim's library.
         if on_cpu and not ctx.module_context.lowering_parameters.for_export:
-            return mlir.lower_fun(jcore.jaxpr_as_fun(kernel))(ctx, *args)
+            return _inline(ctx, kernel, args)
         return mlir.lower_fun(xla)(ctx.replace(avals_in=ctx.avals_in[n_consts:]), *args[n_consts:])
     return rule
+
+
+def _inline(ctx: Any, closed: jcore.ClosedJaxpr, args: tuple) -> Any:
+    """The kernel's jaxpr lowered in place, as it was traced (`lower_fun` would trace it a second time)."""
+    out, tokens = mlir.jaxpr_subcomp(ctx.module_context, closed.jaxpr, ctx.name_stack, ctx.tokens_in, (), *args,
+                                     dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
+                                     outer_traceback=None)
+    ctx.set_tokens_out(tokens)
+    return out
 
 
 def _jvp(primals, tangents, *, kernel, xla, n_consts):
