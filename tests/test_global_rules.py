@@ -1,5 +1,8 @@
 """Whole-model rules (ClipGlobalNorm, SkipNonFinite) and per-leaf rule choice (`setup` with a function)."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +66,54 @@ def test_skip_non_finite_leaves_everything_untouched_and_counts():
         assert int(s2["a"].state.skipped) == 1
     s3, m3 = optim.update(state, m, {"a": jnp.array([1.0, jnp.inf]), "b": None})
     close(m3["a"], m["a"])
+
+
+def test_skip_non_finite_under_vmap_skips_only_the_bad_members():
+    # vmap batches the finiteness flag: the CPU conditional becomes a select per member.
+    m = {"a": jnp.ones((3, 2)), "b": jnp.ones((3, 1))}
+    state = jax.vmap(lambda x: optim.setup(optim.SkipNonFinite(optim.Adam(0.1)), x, ties={}))(m)
+    g = {"a": jnp.array([[1.0, 1.0], [jnp.nan, 1.0], [2.0, 1.0]]), "b": jnp.ones((3, 1))}
+    s1, m1 = jax.vmap(optim.update)(state, m, g)
+    for i in range(3):
+        one = optim.setup(optim.SkipNonFinite(optim.Adam(0.1)), jax.tree.map(lambda a: a[i], m))
+        s_ref, m_ref = optim.update(one, jax.tree.map(lambda a: a[i], m), jax.tree.map(lambda a: a[i], g))
+        jax.tree.map(lambda a, b: close(a[i], b), m1, m_ref)
+        assert int(s1["a"].state.skipped[i]) == int(s_ref["a"].state.skipped) == (i == 1)
+
+
+def _compiled_copies(rule, m, g):
+    text = jax.jit(optim.update, donate_argnums=(0, 1)).lower(optim.setup(rule, m), m, g).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    # Copies of parameter-sized arrays (a pack of the rules' small numbers may be copied: a few bytes).
+    sizes = [math.prod(int(d) for d in dims.split(",") if d)
+             for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", entry)]
+    return sum(n >= 1024 for n in sizes), entry
+
+
+@pytest.mark.parametrize("inner", [optim.AdamW(1e-3), optim.AdaDelta()], ids=["AdamW", "AdaDelta"])
+def test_skip_non_finite_copies_no_state_on_xla_s_path(inner, monkeypatch):
+    # A select between the new and the old state made XLA:CPU copy each state array before overwriting it in
+    # place (3 copies per Adam parameter); the CPU conditional of `skip_unless` copies none.
+    from optim._engine import fused
+    monkeypatch.setattr(fused, "ENABLED", False)
+    m = {f"w{i}": jnp.ones((4096,)) for i in range(3)}
+    g = jax.tree.map(lambda a: 0.1 * a, m)
+    copies, entry = _compiled_copies(optim.SkipNonFinite(inner), m, g)
+    assert " conditional(" in entry
+    assert copies == 0, entry
+
+
+def test_skip_non_finite_is_branch_free_off_cpu():
+    # Lowered for GPU the step selects (a conditional would read its predicate back to the host each step).
+    m = {"a": jnp.ones((8,))}
+    state = optim.setup(optim.SkipNonFinite(optim.Adam(0.1)), m)
+    def text(platform):
+        return jax.jit(optim.update).trace(state, m, m).lower(lowering_platforms=(platform,)).as_text()
+
+    # Both carry the (constant) platform switch of `lax.platform_dependent`; only CPU's has the conditional.
+    cuda, cpu = text("cuda"), text("cpu")
+    assert cpu.count("stablehlo.case") == cuda.count("stablehlo.case") + 1
+    assert "stablehlo.select" in cuda
 
 
 def test_rule_per_leaf_and_tie_groups():

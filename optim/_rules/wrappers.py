@@ -29,6 +29,37 @@ def _gate(new: Any, old: Any, ok: Any) -> Any:
     return new if ok is None else jax.tree.map(lambda a, b: where_leading(ok, a, b), new, old)
 
 
+def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
+    """`apply_all(rule, states, xs, dxs)` where the scalar `ok` is true; else the states unchanged and steps that
+    the caller gates (`Gated(step, ok)`).
+
+    On CPU a conditional: selecting between the new state and the old one makes XLA:CPU keep the old state
+    alive past the loop that overwrites it in place, a copy of every state array per step (Adam: 3 copies per
+    parameter, 2.8x the bare step's time at 100 x 16k; with the conditional no copy, 1.6x: `bench/NOTES.md`). Elsewhere
+    branch-free selects, which XLA fuses into the rule's own loops there and which need no predicate on the
+    host (a GPU conditional reads it back every step). Under `vmap` (a batched `ok`) JAX turns the conditional
+    into the same selects."""
+    def run(states, xs, dxs):
+        new, steps = apply_all(rule, states, xs, dxs)
+        # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.
+        new = [n if jax.tree.structure(n) != jax.tree.structure(o) else
+               jax.tree.map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), n, o) for n, o in zip(new, states)]
+        return new, steps
+
+    def skip(states, xs, dxs):
+        shapes = jax.eval_shape(run, states, xs, dxs)[1]
+        return states, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def branch(states, xs, dxs):
+        return jax.lax.cond(ok, run, skip, states, xs, dxs)
+
+    def select(states, xs, dxs):
+        new, steps = run(states, xs, dxs)
+        return [_gate(n, o, ok) for n, o in zip(new, states)], steps
+
+    return jax.lax.platform_dependent(states, xs, dxs, cpu=branch, default=select)
+
+
 # ----------------------------------------------------------------------------------------------- composition
 # Named states of the wrappers (tuples with names: `state["w"].state.inner`, keyed by name in `state_dict`).
 @register_for_export
@@ -301,7 +332,8 @@ class ClipGlobalNorm(Rule):
 
 class SkipNonFinite(Rule):
     """Skip the whole step when any gradient has a NaN or Inf: the model and every parameter's state are left
-    as they were (branch-free), and the state counts the skipped steps. Wrap the whole rule:
+    as they were (on CPU a conditional skips the inner rule; elsewhere selects discard its results: see
+    `skip_unless`), and the state counts the skipped steps. Wrap the whole rule:
     `SkipNonFinite(OptimiserChain(ClipGlobalNorm(1.0), Adam()))`. Like `ClipGlobalNorm`, it looks at the
     parameters that share it.
 
@@ -334,8 +366,8 @@ class SkipNonFinite(Rule):
 
     def apply_tree(self, states, xs, dxs):
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for ds in dxs for d in ds]))
-        inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
-        new = [SkipNonFiniteState(_gate(st, s[0], ok), s[1] + jnp.where(ok, 0, 1).astype(jnp.int32))
+        inner, steps = skip_unless(ok, self.rule, [s[0] for s in states], xs, list(dxs))
+        new = [SkipNonFiniteState(st, s[1] + jnp.where(ok, 0, 1).astype(jnp.int32))
                for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st, ok) for st in steps]
 
