@@ -145,6 +145,24 @@ def case_pmap(ref) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- 2. sharded jit
+def compiles_of_fresh_state(mesh, **setup) -> int:
+    """How many programs a user's jitted step compiles over four steps from a fresh `setup` state (`adjust`ed
+    before the last), on a model whose specs have the form a jitted step returns (`P(None, None)` on Explicit
+    axes, `P()` on Auto ones; a model in the other form is compiled for twice by JAX itself, optim or not).
+    One: the fresh state and the adjusted values are placed as the step returns them."""
+    auto = all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    model = make_model()
+    model = tie_preserving_put(model, jax.tree.map(
+        lambda a: NamedSharding(mesh, P() if auto else P(*[None] * a.ndim)), model))
+    state = optim.setup(make_rule(), model, **setup)
+    step = jax.jit(lambda s, m, b: optim.update(s, m, jax.grad(loss_fn)(m, b)))
+    for i, b in enumerate(batches()[:4]):
+        if i == 3:      # a new hyperparameter value is data: no compile either
+            state = optim.adjust(state, weight_decay=2e-2)
+        state, model = step(state, model, jax.device_put(b, NamedSharding(mesh, P("data"))))
+    return step._cache_size()
+
+
 def case_jit_sharded(ref) -> dict:
     mesh = jax.make_mesh((N_DEV,), ("data",))
     replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -166,6 +184,7 @@ def case_jit_sharded(ref) -> dict:
     assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves((state, model))
                if isinstance(a, jax.Array)), "parameters or state left replicated placement"
     out["replicated"] = True
+    out["compiles"] = compiles_of_fresh_state(mesh)
     return out
 
 

@@ -32,7 +32,9 @@ def test_pmap_pmean_replicated_state_tied_model(cases):
 
 
 def test_jit_named_sharding_batch_sharded(cases):
-    assert _check(cases, "jit_sharded")["replicated"]
+    rec = _check(cases, "jit_sharded")
+    assert rec["replicated"]
+    assert rec["compiles"] == 1      # a fresh state's scalars and specs placed as the step returns them
 
 
 def test_shard_map_explicit_pmean(cases):

@@ -36,6 +36,7 @@ def _moment_shards(rec: dict) -> dict:
 def test_zero1_jit_matches_one_device_and_each_device_holds_an_eighth_of_the_moments(cases, axes):
     rec = _check(cases, f"zero1_jit_{axes}")
     assert rec["state_specs_kept"] and rec["params_replicated"]
+    assert rec["compiles"] == 1      # a fresh state's scalars and specs placed as the step returns them
     shards = _moment_shards(rec)
     for path, piece in SHARDED.items():
         assert shards[path] == [[piece], [piece]], (path, shards[path])     # m and v, the same piece on all 8

@@ -165,6 +165,7 @@ def case_zero1_jit(ref, axis_type) -> dict:
         if i % pc.SYNC_EVERY == 0:
             jax.block_until_ready(model)
     out = compare(state, model, ref)
+    out["compiles"] = pc.compiles_of_fresh_state(mesh, state_sharding=zero1(mesh))
     assert all(specs_per_step), f"the state left its sharding: {specs_of(state)} vs {want}"
     params_replicated = all(x.sharding.is_fully_replicated for _, x in optim.trainables(model, path=True))
     assert params_replicated, "the parameters left their replicated placement"

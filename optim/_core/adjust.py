@@ -76,8 +76,24 @@ def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     if isinstance(state, State):
         lay = state.layout
         rules = _swapped_in(lay, state.rules, rules, [p.rule for p in lay.params], hyper)
-        return state.replace(layout=lay, rules=rules)
+        return state.replace(layout=lay, rules=_placed_like(rules, state.step))
     return rules[0]
+
+
+def _placed_like(rules: tuple, step: Any) -> tuple:
+    """The rules' numbers put where the state's scalars live (`step`: replicated over the parameters' mesh, by
+    `setup`) when that is a mesh: a new value made on the default device would give a jitted step an input on
+    another sharding, and so compile it again."""
+    place = getattr(step, "sharding", None)
+    if isinstance(step, jax.core.Tracer) or not isinstance(place, jax.sharding.NamedSharding):
+        return rules
+
+    def put(a: Any) -> Any:
+        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or a.sharding == place:
+            return a
+        return jax.device_put(a, place)
+
+    return jax.tree.map(put, rules)
 
 
 def _check_used(hyper: dict, used: set, rules: tuple) -> None:
@@ -130,7 +146,7 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
                 rule_of[u] = len(rules)
             rules.append(new)
     _check_used(hyper, used, tuple(state.rules[r] for r in sorted({lay.params[u].rule for u in chosen})))
-    rules = _swapped_in(lay, state.rules, tuple(rules), rule_of, hyper)
+    rules = _placed_like(_swapped_in(lay, state.rules, tuple(rules), rule_of, hyper), state.step)
     if len(rules) == len(state.rules):
         return state.replace(layout=lay, rules=rules)
     params = tuple(p if p.rule == r else dataclasses.replace(p, rule=r) for p, r in zip(lay.params, rule_of))

@@ -19,12 +19,14 @@ from .tree import (PyTree, canonical_dtype, describe, is_trainable, match_positi
                     unique_index)
 
 
-def _canonical_hyper(rule: Any) -> Any:
+def _canonical_hyper(rule: Any, place: Any = None) -> Any:
     """Hyperparameters as strong-typed device scalars, so every later value (from `adjust`) has the same
-    abstract type and a jitted step never retraces. A rule that is not a pytree is kept as static data."""
+    abstract type and a jitted step never retraces; on `place` (a sharding) when given. A rule that is not a
+    pytree is kept as static data."""
     if jax.tree.leaves(rule) == [rule]:
         return StaticRule(rule)
-    return canonical_numbers(rule)
+    out = canonical_numbers(rule)
+    return out if place is None else jax.tree.map(lambda a: jax.device_put(a, place), out)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -201,29 +203,52 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     layout = Layout(treedef, params, (False,) * len(params), wide_rules(rules))
     if paths.computed is not None:
         layout.__dict__["paths"] = paths.computed
-    rules = tuple(_canonical_hyper(r) for r in rules)
+    mesh_scalar = _replicated(params, traced)
+    rules = tuple(_canonical_hyper(r, mesh_scalar) for r in rules)
     cache: dict = {}
     stacks = tuple(init_stack(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
                               lambda g=g: paths[params[g[0]].canonical], cache,
                               local=not traced and params[g[0]].place is None,
                               sharding=params[g[0]].state_place) for g in layout.stacks)
-    state = State(layout, rules, stacks, _step_counter(params, traced))
+    step = jnp.zeros((), jnp.int32)
+    state = State(layout, rules, stacks, step if mesh_scalar is None else jax.device_put(step, mesh_scalar))
+    if mesh_scalar is not None:
+        state = jax.tree.map(_jit_spec, state)
     if like is not None:
         state = _keep_matching(like, state)
     return state
 
 
-def _step_counter(params: tuple, traced: bool) -> jax.Array:
-    """The step counter, 0: replicated over the mesh of the parameters (or of their state) when they are sharded,
-    like the other small state arrays. A restore target built from this state (orbax) then puts the counter
-    where a jitted step over that mesh accepts it; one committed to a single device would be refused."""
+def _replicated(params: tuple, traced: bool) -> Any:
+    """Where the state's scalars go (the step counter, the rules' hyperparameters): replicated over the mesh
+    of the parameters (or of their state) when they are sharded, else None (the default device). A jitted step
+    over that mesh returns them there, so a fresh state placed like that is not compiled for twice (once for
+    scalars on one device, once for the replicated ones the first step returns), and a restore target built
+    from it (orbax) puts them where the step accepts them."""
     if not traced:
         for p in params:
             s = p.state_place if p.state_place is not None else p.place
             if isinstance(s, jax.sharding.NamedSharding):
-                replicated = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
-                return jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    return jnp.zeros((), jnp.int32)
+                return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def _jit_spec(a: Any) -> Any:
+    """`a` with its `NamedSharding`'s spec in the form a jitted step returns, sharing its buffers: on a mesh with
+    `Explicit` axes one entry per axis (`P()` on a matrix becomes `P(None, None)`), on one with only `Auto` axes
+    without trailing `None`s. The forms place the data alike, but a jitted step's cache tells them apart: a
+    fresh state in another form than the step's outputs would be compiled for twice."""
+    s = getattr(a, "sharding", None)
+    if not isinstance(a, jax.Array) or not isinstance(s, jax.sharding.NamedSharding):
+        return a
+    spec = list(s.spec) + [None] * (a.ndim - len(s.spec))
+    if all(t == jax.sharding.AxisType.Auto for t in s.mesh.axis_types):
+        while spec and spec[-1] is None:
+            spec.pop()
+    if tuple(spec) == tuple(s.spec):
+        return a
+    form = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
+    return jax.make_array_from_single_device_arrays(a.shape, form, [d.data for d in a.addressable_shards])
 
 
 def _state_shardings(fn: Any, groups: dict, paths: Any, leaves: list) -> dict:
