@@ -142,6 +142,8 @@ class Wheel(bdist_wheel):
 fused = Extension(
     KERNEL,
     sources=["optim/_engine/fused.cc"],
+    # The element loops, included by fused.cc once per instruction set (baseline and AVX2, chosen at load).
+    depends=["optim/_engine/fused_loops.inc"],
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the
     # handler symbol is exported.

@@ -20,6 +20,10 @@ JAX_CANDIDATES = ["optim eager", "optim eager donate", "optim jit", "optim jit x
 UNTIED = " @untied"   # suffix: the same candidate on the untied twin of a tied workload (same unique parameters)
 TORCH_CANDIDATES = ["torch foreach", "torch fused"]
 ALL = JAX_CANDIDATES + TORCH_CANDIDATES
+# Other rules, wrapped rules and their optax counterparts (jitted, donated): only when named, e.g.
+# `python -m bench --only medium --no-torch --candidates "optim jit adamw,optim jit skipnonfinite(adamw),optax"`.
+WRAPPED = ["optim jit adamw", "optim jit skipnonfinite(adamw)", "optim jit ema(adamw)", "optim jit adam bf16",
+           "optim jit nadam", "optax adamw", "optax apply_if_finite(adamw)", "optax adamw+ema"]
 REFERENCE = "optax"
 
 
@@ -206,6 +210,59 @@ class Optax(Candidate):
         return tree_bytes(self.opt_state)
 
 
+def _optim_rule(name: str):
+    import jax.numpy as jnp
+    import optim
+
+    adamw = optim.AdamW(LR, weight_decay=1e-4)
+    return {"adamw": adamw, "skipnonfinite(adamw)": optim.SkipNonFinite(adamw), "ema(adamw)": optim.EMA(adamw),
+            "adam bf16": optim.Adam(LR, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+            "nadam": optim.NAdam(LR)}[name]
+
+
+class OptimJitRule(OptimJit):
+    """`optim jit` with another rule (`WRAPPED`)."""
+
+    def __init__(self, wl, name: str):
+        import jax
+        import optim
+
+        self.name = name
+        model = _copy_tree(wl.model)
+        state = optim.setup(_optim_rule(name[len("optim jit "):]), model)
+        self.state, self.model = unalias((state, model))
+        self._grads = wl.grads
+        self._fn = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
+
+
+class OptaxRule(Optax):
+    """optax's counterparts of `WRAPPED`: adamw (weight decay 1e-4), `apply_if_finite(adamw)`, and adamw with an
+    EMA of the parameters (decay 0.999, no debiasing) in the same jitted step."""
+
+    def __init__(self, wl, name: str):
+        import jax
+        import optax
+
+        self.name = name
+        tx = optax.adamw(LR, weight_decay=1e-4)
+        if name == "optax apply_if_finite(adamw)":
+            tx = optax.apply_if_finite(tx, max_consecutive_errors=10**9)
+        ema = optax.ema(0.999, debias=False) if name == "optax adamw+ema" else None
+        self.params = unalias(_copy_tree(wl.model))
+        self.opt_state = (tx.init(self.params), ema.init(self.params) if ema else None)
+        self._grads = wl.grads
+
+        def step(params, opt_state, grads):
+            s, e = opt_state
+            updates, s = tx.update(grads, s, params)
+            params = optax.apply_updates(params, updates)
+            if ema is not None:
+                _, e = ema.update(params, e)
+            return params, (s, e)
+
+        self._fn = jax.jit(step, donate_argnums=(0, 1))
+
+
 class OptaxEager(Candidate):
     """optax without jit (only for the per-call overhead table)."""
 
@@ -299,6 +356,8 @@ def make(name: str, wl) -> Candidate:
         return OptimJit(wl)
     if name == "optim jit xla":
         return OptimJitXla(wl)
+    if name in WRAPPED:
+        return OptimJitRule(wl, name) if name.startswith("optim") else OptaxRule(wl, name)
     if name == "optax":
         return Optax(wl)
     if name == "optax.flatten":
@@ -311,4 +370,4 @@ def make(name: str, wl) -> Candidate:
         return Torch(wl, fused=False)
     if name == "torch fused":
         return Torch(wl, fused=True)
-    raise ValueError(f"unknown candidate {name!r}; choose from {ALL + ['optax eager']}")
+    raise ValueError(f"unknown candidate {name!r}; choose from {ALL + ['optax eager'] + WRAPPED}")

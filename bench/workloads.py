@@ -16,6 +16,9 @@ import numpy as np
 SPECS: dict[str, tuple[dict, dict]] = {
     "1x16M": ({"kind": "leaves", "n": 1, "shape": (4096, 4096)},
               {"kind": "leaves", "n": 1, "shape": (256, 256)}),
+    # The wrapped rules' workload (bench/candidates.py's WRAPPED): 100 leaves of 160k floats.
+    "100x160k": ({"kind": "leaves", "n": 100, "shape": (400, 400)},
+                 {"kind": "leaves", "n": 4, "shape": (20, 20)}),
     "1000x16k": ({"kind": "leaves", "n": 1000, "shape": (128, 128)},
                  {"kind": "leaves", "n": 4, "shape": (16, 16)}),
     # Issue 13's workload of many small leaves: 10000x1.6k's kind at a size whose optax first call takes ~30 s.

@@ -6,11 +6,15 @@
 // Large calls are split into chunks run on XLA's intra-op thread pool; the call returns a future that the last
 // chunk completes, so no thread waits for another.
 //
-// Operands: `scalars` (members, 8) float32, one row per member:
-//   [lr, b1, b2, eps, c1, c2, wd, gs] (Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t)),
-//   [lr, b1, b2, ., ., ., ., gs] (Lion), [lr, rho, ..., gs] (Momentum), [lr, ..., gs] (Descent),
-//   where gs scales the gradient (a chain's ClipGlobalNorm factor, else 1);
-// then B sets of state stacks (Adam: m, v; Lion: m; Momentum: v; Descent: none), each stack (its size, n);
+// Operands: `scalars` (members, 16) float32, one row per member:
+//   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, ...] where
+//   Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t); NAdam: c1 = b1/(1 - b1 b1^t), k2 = (1 - b1)/(1 - b1^t),
+//   c2 = b2/(1 - b2^t); Lion: lr, b1, b2; Momentum: lr, rho (in b1); Descent: lr;
+//   gs scales the gradient (a chain's ClipGlobalNorm factor, else 1), f the step (a chain's last `Scale`, else 1),
+//   d is the decay of an EMA of the new parameter (attribute `ema`), ok = 0 skips the member (SkipNonFinite,
+//   SkipLargeUpdates: its parameter and state keep their values, and in place nothing is written);
+// then B sets of state stacks (Adam, NAdam: m, v; Lion: m; Momentum: v; Descent: none; then, with `ema`, the
+// float32 average), each stack (its size, n);
 // then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
 // arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
 // writing the sum and reading it back), then per member `mirrors[r]` arrays of n elements (the model's other
@@ -25,6 +29,8 @@
 // arithmetic is float32, in the order of the rules in optim/_rules/.
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,41 +42,25 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Kind : int64_t { kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5 };
+enum Kind : int64_t {
+  kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5, kNAdam = 6
+};
+constexpr int64_t kLastKind = kNAdam;
+constexpr int64_t kWidth = 16;   // scalars per member
 
 constexpr int StateCount(int64_t kind) {
   switch (kind) {
-    case kAdam: case kAdamWCoupled: case kAdamWDecoupled: return 2;
+    case kAdam: case kAdamWCoupled: case kAdamWDecoupled: case kNAdam: return 2;
     case kLion: case kMomentum: return 1;
     default: return 0;
   }
-}
-
-// bfloat16 as XLA stores it: the high half of a float32, rounded to nearest even.
-struct BF16 { uint16_t bits; };
-
-inline float Load(float v) { return v; }
-inline float Load(BF16 v) {
-  uint32_t u = uint32_t(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-template <typename T> inline T Store(float f);
-template <> inline float Store<float>(float f) { return f; }
-template <> inline BF16 Store<BF16>(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{uint16_t((u >> 16) | 0x40)};   // NaN stays a (quiet) NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return BF16{uint16_t(u >> 16)};
 }
 
 struct Work {
   int64_t kind, n;
   const float* scalars;
   std::vector<int64_t> rows, sets;   // copies: the chunks may run after the handler has returned
-  int64_t ns;                        // state stacks per set
+  int64_t ns;                        // state stacks per set (the rule's, then the EMA's average)
   std::vector<const void*> state_in;   // the sets' state stacks, set by set
   std::vector<void*> state_out;        // ... where their new values go (the same buffers when aliased)
   std::vector<const void*> x_in;       // per member: the parameter
@@ -80,118 +70,32 @@ struct Work {
   int64_t elem_bytes;                // the parameters' element size
 };
 
-struct Scalars8 { float lr, b1, b2, eps, c1, c2, wd, gs; };
-
-// One element: the new parameter, and the new state values `m` and `v` (those the rule has), from the parameter
-// `x`, the (scaled) gradient `g` and the old state values. In the order of optim/_rules/'s rules.
-template <int64_t K>
-inline float Elem(const Scalars8& s, float x, float g, float& m, float& v) {
-  float step;
-  if constexpr (K == kAdam || K == kAdamWCoupled || K == kAdamWDecoupled) {
-    m = s.b1 * m + (1 - s.b1) * g;
-    v = s.b2 * v + (1 - s.b2) * (g * g);
-    const float a = m * s.c1 / (std::sqrt(v * s.c2) + s.eps);
-    if constexpr (K == kAdam) step = a * s.lr;
-    else if constexpr (K == kAdamWCoupled) step = s.lr * (a + s.wd * x);
-    else step = s.lr * a + s.wd * x;
-  } else if constexpr (K == kLion) {
-    const float u = s.b1 * m + (1 - s.b1) * g;
-    step = u != u ? u : s.lr * float((u > 0) - (u < 0));   // sign, NaN kept (as jnp.sign)
-    m = s.b2 * m + (1 - s.b2) * g;
-  } else if constexpr (K == kMomentum) {
-    m = s.b1 * m + s.lr * g;     // b1 is rho
-    step = m;
-  } else {
-    step = s.lr * g;
-  }
-  return x - step;
-}
-
-// The gradient of element i: its parts summed in the parameter's dtype, as XLA sums tied gradients (a bfloat16
-// sum is rounded), then scaled.
-template <typename P, bool Two>
-inline float Grad(const P* g, const P* g2, int64_t i, float gs) {
-  return (Two ? Load(Store<P>(Load(g[i]) + Load(g2[i]))) : Load(g[i])) * gs;
-}
-
-// In place: each array is read and written through one pointer (the loop the compiler vectorises).
-template <int64_t K, typename P, typename M1, typename M2, bool Two>
-void LoopSame(const Scalars8& s, P* x, const P* g, const P* g2, M1* m, M2* v, int64_t lo, int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) {
-    float mi = StateCount(K) > 0 ? Load(m[i]) : 0.f, vi = StateCount(K) > 1 ? Load(v[i]) : 0.f;
-    x[i] = Store<P>(Elem<K>(s, Load(x[i]), Grad<P, Two>(g, g2, i, s.gs), mi, vi));
-    if constexpr (StateCount(K) > 0) m[i] = Store<M1>(mi);
-    if constexpr (StateCount(K) > 1) v[i] = Store<M2>(vi);
-  }
-}
-
-// Beside: new arrays that do not overlap the old (restrict: else the compiler would check at run time for
-// overlaps between seven pointers, beyond its limit, and not vectorise).
-template <int64_t K, typename P, typename M1, typename M2, bool Two>
-void LoopApart(const Scalars8& s, const P* __restrict__ x, P* __restrict__ xo, const P* __restrict__ g,
-               const P* __restrict__ g2, const M1* __restrict__ m, M1* __restrict__ mo, const M2* __restrict__ v,
-               M2* __restrict__ vo, int64_t lo, int64_t hi) {
-  for (int64_t i = lo; i < hi; ++i) {
-    float mi = StateCount(K) > 0 ? Load(m[i]) : 0.f, vi = StateCount(K) > 1 ? Load(v[i]) : 0.f;
-    xo[i] = Store<P>(Elem<K>(s, Load(x[i]), Grad<P, Two>(g, g2, i, s.gs), mi, vi));
-    if constexpr (StateCount(K) > 0) mo[i] = Store<M1>(mi);
-    if constexpr (StateCount(K) > 1) vo[i] = Store<M2>(vi);
-  }
-}
-
-// Elements [lo, hi) of member r.
-template <int64_t K, typename P, typename M1, typename M2, bool Two, bool InPlace>
-void Run(const Work& w, int64_t r, int64_t lo, int64_t hi) {
-  Scalars8 s;
-  std::memcpy(&s, w.scalars + 8 * r, sizeof s);
-  const P* g = static_cast<const P*>(w.g[r]);
-  const P* g2 = static_cast<const P*>(w.g2[r]);
-  const int64_t at = w.rows[r] * w.n, set = w.sets[r] * w.ns;
-  M1* mo = StateCount(K) > 0 ? static_cast<M1*>(w.state_out[set]) + at : nullptr;
-  M2* vo = StateCount(K) > 1 ? static_cast<M2*>(w.state_out[set + 1]) + at : nullptr;
-  if constexpr (InPlace) {
-    LoopSame<K, P, M1, M2, Two>(s, static_cast<P*>(w.x_out[r]), g, g2, mo, vo, lo, hi);
-  } else {
-    const M1* m = StateCount(K) > 0 ? static_cast<const M1*>(w.state_in[set]) + at : nullptr;
-    const M2* v = StateCount(K) > 1 ? static_cast<const M2*>(w.state_in[set + 1]) + at : nullptr;
-    LoopApart<K, P, M1, M2, Two>(s, static_cast<const P*>(w.x_in[r]), static_cast<P*>(w.x_out[r]), g, g2, m, mo,
-                                 v, vo, lo, hi);
-  }
-}
-
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
-// The loop for one call: kind, dtypes (parameter, m, v), whether a member has two gradient parts, in place.
-// Rules without a second (first) state array ignore its dtype: fewer instantiations.
-template <int64_t K, typename P, typename M1, typename M2>
-Runner Pick3(bool two, bool in_place) {
-  if (two) return in_place ? &Run<K, P, M1, M2, true, true> : &Run<K, P, M1, M2, true, false>;
-  return in_place ? &Run<K, P, M1, M2, false, true> : &Run<K, P, M1, M2, false, false>;
-}
-template <int64_t K, typename P, typename M1>
-Runner Pick2(bool m2_bf16, bool two, bool in_place) {
-  if (StateCount(K) < 2 || !m2_bf16) return Pick3<K, P, M1, float>(two, in_place);
-  return Pick3<K, P, M1, BF16>(two, in_place);
-}
-template <int64_t K, typename P>
-Runner Pick1(bool m1_bf16, bool m2_bf16, bool two, bool in_place) {
-  if (StateCount(K) < 1 || !m1_bf16) return Pick2<K, P, float>(m2_bf16, two, in_place);
-  return Pick2<K, P, BF16>(m2_bf16, two, in_place);
-}
-template <int64_t K>
-Runner Pick0(bool p_bf16, bool m1_bf16, bool m2_bf16, bool two, bool in_place) {
-  return p_bf16 ? Pick1<K, BF16>(m1_bf16, m2_bf16, two, in_place) : Pick1<K, float>(m1_bf16, m2_bf16, two, in_place);
-}
-Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place) {
-  switch (kind) {
-    case kAdam: return Pick0<kAdam>(p, m1, m2, two, in_place);
-    case kAdamWCoupled: return Pick0<kAdamWCoupled>(p, m1, m2, two, in_place);
-    case kAdamWDecoupled: return Pick0<kAdamWDecoupled>(p, m1, m2, two, in_place);
-    case kLion: return Pick0<kLion>(p, m1, m2, two, in_place);
-    case kMomentum: return Pick0<kMomentum>(p, m1, m2, two, in_place);
-    case kDescent: return Pick0<kDescent>(p, m1, m2, two, in_place);
-  }
-  return nullptr;
+// The element loops, compiled twice: for the baseline x86-64 (SSE2) and, in the same library, for AVX2, chosen
+// when the library is loaded (`Pick`). Without AVX2 the bfloat16 conversions (32 -> 16 bits, and the rounding's
+// select) have no vector instruction and the loops with bfloat16 moments became compute-bound: measured on one
+// core over 16M elements, Adam with bfloat16 moments 42-48 ms vs 31 with float32 ones; with AVX2 21 vs 20. Only
+// `avx2` is enabled, not `fma`: no multiply-add is contracted, so both builds compute the same bits.
+#define OPTIM_LOOPS_NAMESPACE base
+#include "fused_loops.inc"
+#undef OPTIM_LOOPS_NAMESPACE
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OPTIM_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define OPTIM_LOOPS_NAMESPACE avx2
+#include "fused_loops.inc"
+#undef OPTIM_LOOPS_NAMESPACE
+#pragma GCC pop_options
+#endif
+
+Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place, bool ema) {
+#ifdef OPTIM_AVX2
+  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  if (has_avx2) return avx2::Pick(kind, p, m1, m2, two, in_place, ema);
+#endif
+  return base::Pick(kind, p, m1, m2, two, in_place, ema);
 }
 
 constexpr int64_t kBlock = 1 << 13;   // elements a member with mirrors steps before copying them out (<= 32 KB)
@@ -226,11 +130,12 @@ using Scalars = ffi::Buffer<ffi::F32, 2>;
 // parameters, the first and the second state arrays are bfloat16) and `set_rows` (rows of each state stack).
 // Returns nullptr, or what is wrong.
 const char* Read(Work& w, bool bf16[3], std::vector<int64_t>& set_rows, Scalars scalars,
-                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, int64_t kind,
+                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, int64_t kind, int64_t ema,
                  ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows, ffi::Span<const int64_t> parts,
                  ffi::Span<const int64_t> mirrors) {
-  if (kind < kAdam || kind > kDescent) return "optim_fused: unknown kind";
-  const int64_t ns = StateCount(kind), k = int64_t(rows.size());
+  if (kind < kAdam || kind > kLastKind) return "optim_fused: unknown kind";
+  if (ema != 0 && ema != 1) return "optim_fused: ema is 0 or 1";
+  const int64_t own = StateCount(kind), ns = own + ema, k = int64_t(rows.size());
   int64_t ngrads = 0, nmirrors = 0;
   for (int64_t r = 0; r < int64_t(parts.size()); ++r) {
     if (parts[r] < 1 || parts[r] > 2) return "optim_fused: a member has 1 or 2 gradient arrays";
@@ -244,8 +149,8 @@ const char* Read(Work& w, bool bf16[3], std::vector<int64_t>& set_rows, Scalars 
   if (k == 0 || int64_t(sets.size()) != k || int64_t(parts.size()) != k || int64_t(mirrors.size()) != k ||
       nstate < 0 || (ns == 0 ? nstate != 0 : nstate % ns != 0) || int64_t(rets.size()) != nstate + k + nmirrors)
     return "optim_fused: wrong number of operands";
-  if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != 8)
-    return "optim_fused: scalars must be (members, 8)";
+  if (scalars.dimensions().size() != 2 || scalars.dimensions()[0] != k || scalars.dimensions()[1] != kWidth)
+    return "optim_fused: scalars must be (members, 16)";
   w.kind = kind;
   w.ns = ns;
   w.scalars = scalars.typed_data();
@@ -254,12 +159,14 @@ const char* Read(Work& w, bool bf16[3], std::vector<int64_t>& set_rows, Scalars 
   for (int64_t j = 0; j < nstate; ++j) {
     auto in = args.get<ffi::AnyBuffer>(j);
     auto out = rets.get<ffi::AnyBuffer>(j);
+    const int64_t c = j % ns;
     if (!in.has_value() || !out.has_value() || !IsFloat(in->element_type()) ||
-        (j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + j % ns]))
-      return "optim_fused: state stacks must be float32 or bfloat16, alike across sets";
+        (c >= own && in->element_type() != ffi::DataType::F32) ||
+        (c < own && j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + c]))
+      return "optim_fused: state stacks must be float32 or bfloat16, alike across sets (an EMA's float32)";
     w.state_in.push_back(in->untyped_data());
     w.state_out.push_back((*out)->untyped_data());
-    if (j < ns) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
+    if (j < own) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
     auto d = in->dimensions();
     set_rows.push_back(d.size() == 0 ? 1 : d[0]);
   }
@@ -372,12 +279,12 @@ ffi::Future Launch(ffi::ThreadPool& pool, std::shared_ptr<Work> w, const Runner 
 }
 
 ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  int64_t kind, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
+                  int64_t kind, int64_t ema, ffi::Span<const int64_t> sets, ffi::Span<const int64_t> rows,
                   ffi::Span<const int64_t> parts, ffi::Span<const int64_t> mirrors) {
   auto w = std::make_shared<Work>();
   bool bf16[3] = {false, false, false};
   std::vector<int64_t> set_rows;
-  if (const char* wrong = Read(*w, bf16, set_rows, scalars, args, rets, kind, sets, rows, parts, mirrors)) {
+  if (const char* wrong = Read(*w, bf16, set_rows, scalars, args, rets, kind, ema, sets, rows, parts, mirrors)) {
     ffi::Promise p;
     ffi::Future f(p);
     p.SetError(ffi::Error::InvalidArgument(wrong));
@@ -385,9 +292,92 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
   }
   CopyIdleRows(*w, set_rows, args);
   const bool same = InPlace(*w, args);
-  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false, same),
-                         Pick(kind, bf16[0], bf16[1], bf16[2], true, same)};
+  const Runner run[2] = {Pick(kind, bf16[0], bf16[1], bf16[2], false, same, ema),
+                         Pick(kind, bf16[0], bf16[1], bf16[2], true, same, ema)};
   return Launch(pool, w, run);
+}
+
+
+// `optim_finite`: 1 when every element of every operand (float32 or bfloat16 arrays: a rule's gradients) is
+// finite, else 0, as one float32. What SkipNonFinite asks before the step: XLA:CPU computes `all(isfinite(g))`
+// as a loop writing a bool per element and a reduction over them (measured: 29 ms over 16M gradients, where
+// reading them takes 4); this is one vectorised read, on the pool. An element is not finite when its exponent
+// bits are all ones (Inf, NaN).
+template <typename U, U kExp>
+bool FiniteRange(const void* data, int64_t lo, int64_t hi) {
+  const U* u = static_cast<const U*>(data);
+  U bad = 0;
+  for (int64_t i = lo; i < hi; ++i) bad |= U((u[i] & kExp) == kExp);
+  return bad == 0;
+}
+
+struct FiniteWork {
+  std::vector<const void*> data;
+  std::vector<int64_t> sizes, starts;   // per operand: elements, and its first element among all
+  std::vector<char> bf16;
+  int64_t total = 0;
+  std::atomic<bool> ok{true};
+  float* out = nullptr;
+};
+
+void FiniteSpan(FiniteWork& w, int64_t lo, int64_t hi) {
+  for (size_t j = 0; j < w.data.size() && lo < hi; ++j) {
+    const int64_t a = w.starts[j], b = a + w.sizes[j];
+    if (b <= lo || a >= hi) continue;
+    const int64_t from = std::max(lo, a) - a, to = std::min(hi, b) - a;
+    const bool fine = w.bf16[j] ? FiniteRange<uint16_t, 0x7f80>(w.data[j], from, to)
+                                : FiniteRange<uint32_t, 0x7f800000u>(w.data[j], from, to);
+    if (!fine) w.ok.store(false, std::memory_order_relaxed);
+  }
+}
+
+using Flag = ffi::Buffer<ffi::F32, 0>;
+
+ffi::Future Finite(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<Flag> out) {
+  auto w = std::make_shared<FiniteWork>();
+  for (size_t j = 0; j < args.size(); ++j) {
+    auto a = args.get<ffi::AnyBuffer>(j);
+    if (!a.has_value() || !IsFloat(a->element_type())) {
+      ffi::Promise p;
+      ffi::Future f(p);
+      p.SetError(ffi::Error::InvalidArgument("optim_finite: operands must be float32 or bfloat16"));
+      return f;
+    }
+    w->data.push_back(a->untyped_data());
+    w->sizes.push_back(int64_t(a->element_count()));
+    w->starts.push_back(w->total);
+    w->bf16.push_back(a->element_type() == ffi::DataType::BF16);
+    w->total += int64_t(a->element_count());
+  }
+  w->out = out->typed_data();
+  ffi::Promise done;
+  ffi::Future future(done);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, w->total / (4 * kChunk)));
+  if (tasks <= 1) {
+    FiniteSpan(*w, 0, w->total);
+    *w->out = w->ok.load() ? 1.f : 0.f;
+    done.SetAvailable();
+    return future;
+  }
+  // The last task to finish writes the result, then completes the future.
+  auto left = std::make_shared<std::atomic<int64_t>>(tasks);
+  auto finish = [w, left, done]() mutable {
+    if (left->fetch_sub(1) == 1) {
+      *w->out = w->ok.load() ? 1.f : 0.f;
+      done.SetAvailable();
+    }
+  };
+  for (int64_t t = 1; t < tasks; ++t) {
+    const int64_t lo = w->total * t / tasks, hi = w->total * (t + 1) / tasks;
+    pool.Schedule([w, lo, hi, finish]() mutable {
+      FiniteSpan(*w, lo, hi);
+      finish();
+    });
+  }
+  FiniteSpan(*w, 0, w->total / tasks);
+  finish();
+  return future;
 }
 
 }  // namespace
@@ -399,6 +389,7 @@ XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
                            .RemainingArgs()
                            .RemainingRets()
                            .Attr<int64_t>("kind")
+                           .Attr<int64_t>("ema")
                            .Attr<ffi::Span<const int64_t>>("sets")
                            .Attr<ffi::Span<const int64_t>>("rows")
                            .Attr<ffi::Span<const int64_t>>("parts")
@@ -406,4 +397,14 @@ XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA_FFI_CallFrame* call_frame) {
   return kOptimFused(call_frame);
+}
+
+XLA_FFI_DEFINE_HANDLER(kOptimFinite, Finite,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
+                           .RemainingArgs()
+                           .Ret<Flag>());
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_finite(XLA_FFI_CallFrame* call_frame) {
+  return kOptimFinite(call_frame);
 }

@@ -1,19 +1,32 @@
-"""The fused CPU step: Adam, AdamW, Lion, Momentum and Descent in one pass over each parameter.
+"""The fused CPU step: Adam, AdamW, NAdam, Lion, Momentum and Descent in one pass over each parameter, also
+wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm and before a Scale.
 
 XLA:CPU compiles Adam's update into three loops over each parameter (the first moment, the second, then the
 step, which re-reads both), and cannot fuse them into one (there is no multi-output loop fusion on CPU). The step
 is memory-bound, so three passes cost about twice what one does. `optim/_engine/fused.cc` is that one pass, an XLA FFI
 custom call: per element it reads the parameter, its gradient and its state and writes the new ones in place
 (every state and parameter input is aliased to its output; with `donate=True`, or buffers XLA owns inside a
-jit, nothing is copied), split into chunks on XLA's intra-op thread pool.
+jit, nothing is copied), split into chunks on XLA's intra-op thread pool. Its element loops are compiled for
+the baseline x86-64 and for AVX2 (chosen when loaded; without AVX2 bfloat16 moments are compute-bound).
 
 It is one of the engine's strategies (`Kernel`, registered with optim._engine.strategies): `update` uses it for a rule
-whose own class declares one of those five formulas (`Rule._formula`), alone or after a `ClipGlobalNorm` in a
-two-stage chain (the clip factor scales the gradient inside the kernel), on parameters of float32 or bfloat16
-(states float32 or bfloat16), one gradient tree, scalar hyperparameters, and parameters that are not sharded
-over several devices (a sharded array would be gathered to run a custom call: XLA's own path is kept). It
-groups the stepping members of a rule's stacks by shape, at most `MAX_MEMBERS` per call. The rule's
-hyperparameters and Adam's bias corrections are computed by XLA and passed as one small `(members, 8)` array.
+whose own class declares one of those formulas (`Rule._formula`), alone or as a chain `[ClipGlobalNorm,] rule
+[, Scale]` (the clip factor scales the gradient, the Scale the step, inside the kernel), inside any nesting of
+`SkipNonFinite`, `SkipLargeUpdates` and at most one `EMA` (`_Plan`), on parameters of float32 or bfloat16
+(states float32 or bfloat16; an EMA's average float32), one gradient tree, scalar hyperparameters, and
+parameters that are not sharded over several devices (a sharded array would be gathered to run a custom call:
+XLA's own path is kept). It groups the stepping members of a rule's stacks by shape, at most `MAX_MEMBERS` per
+call. The rule's hyperparameters and Adam's bias corrections are computed by XLA and passed as one small
+`(members, 16)` array, with the clip factor, the Scale's factor, the EMA's decay and the gate's flag.
+
+The gating wrappers run their own code (`apply_tree`) around a stand-in rule without state (`_gates`): that
+gives their flag and their own states (counters, norm statistics) exactly as XLA's path computes them. A member
+whose flag is false is not touched by the kernel (in place nothing is written; beside, its old values are
+copied) and its packed bias-correction powers keep their values. SkipNonFinite's question, whether all the
+rule's gradients are finite, is a second custom call of the same library (`optim_finite`: XLA:CPU writes a bool
+per element before reducing them, 7x the time of reading the gradients). An EMA's average is one more stream
+read and written in the same pass. bfloat16 moments: the step is computed from the new float32 moments before
+they are rounded for storage, as XLA's path does (`optim._rules.adam.Adam` has the measurement).
 
 CPU only, chosen at lowering (optim._engine.kernel_choice): a program lowered for GPU or TPU, or exported, runs XLA's
 path (which fuses there) and only a CPU lowering runs the kernel.
@@ -25,105 +38,42 @@ the rules' JAX code, the reference the tests compare the kernel with.
 
 from __future__ import annotations
 
-import ctypes
-import glob
+import copy
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import xla as xla
+from . import fused_load, xla as xla
 from .kernel_choice import kernel_or_xla
 from .pack import assemble, is_packed
 from .stack import KERNEL_FLOATS, row_index, traced_sharded
-from .._rules.protocol import as_compute, eps_of, formula_of
+from .._rules.average import EMA
+from .._rules.protocol import Gated, apply_all, as_compute, eps_of, formula_of
+from .._rules.transforms import Scale
 from .strategies import Strategy, register
-from .._rules.wrappers import OptimiserChain
+from .._rules.wrappers import (OptimiserChain, SkipLargeUpdates, SkipLargeUpdatesState, SkipNonFinite,
+                               SkipNonFiniteState)
 
 __all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls"]
 
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
-_TARGET = "optim_fused"
+_TARGET, _FINITE = fused_load.TARGET, fused_load.FINITE
 _log = logging.getLogger("optim")
 
 # Kernel kinds (optim/_engine/fused.cc) and state arrays per member.
-_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT = range(6)
+_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM = range(7)
+_WIDTH = 16               # scalars per member (optim/_engine/fused.cc)
+_ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
 
 
-_KERNEL = "_fused_kernel.so"       # built by setup.py: a plain shared library, one file for every Python version
-_RECORD = "_fused_kernel.json"     # beside it (setup.py): the jaxlib and XLA FFI API version it was compiled against
-
-
-def _ffi_api(include: str) -> tuple[int, int] | None:
-    """`(major, minor)`: the XLA FFI API version declared by the headers in `include` (a jaxlib's include folder)."""
-    import re
-
-    try:
-        with open(os.path.join(include, "xla", "ffi", "api", "c_api.h")) as f:
-            text = f.read()
-    except OSError:
-        return None
-    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
-    return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
-
-
-def _refusal(built: dict, jaxlib: str, ffi: tuple[int, int] | None) -> str | None:
-    """Why a kernel whose build record is `built` must not be registered with jaxlib `jaxlib`, whose headers declare
-    XLA FFI API version `ffi` (None: it may be).
-
-    XLA compares a handler's FFI API version with its own only when the CPU backend starts, and a mismatch then
-    stops the backend (`Unable to initialize backend 'cpu'`: no JAX program runs), so the versions are compared
-    here, before registering. The major versions must agree and the kernel's minor version be at most this
-    jaxlib's: XLA runs handlers built against older minor versions (xla/ffi/api/c_api.h), so a kernel compiled
-    against one jaxlib runs under a newer one of the same FFI API. Without an FFI version on either side, the
-    jaxlib versions must be equal.
-    """
-    api, was = built.get("ffi_api"), built.get("jaxlib")
-    if api and ffi:
-        if api[0] == ffi[0] and api[1] <= ffi[1]:
-            return None
-        return (f"it was built against jaxlib {was} (XLA FFI API {api[0]}.{api[1]}), which jaxlib {jaxlib} "
-                f"(FFI API {ffi[0]}.{ffi[1]}) cannot run")
-    if was == jaxlib:
-        return None
-    return f"it was built against jaxlib {was}, this is jaxlib {jaxlib}, and the XLA FFI API version is unknown"
-
-
-def _load(folder: str = os.path.dirname(__file__)) -> tuple[bool, str]:
-    """`(available, why)`: register the kernel in `folder` with XLA, unless its build record says this jaxlib
-    cannot run it (see `_refusal`)."""
-    import importlib.metadata
-    import json
-
-    path = os.path.join(folder, _KERNEL)
-    if not os.path.exists(path):
-        stale = glob.glob(os.path.join(folder, "_fused_kernel.*.so"))
-        return False, ("optim's fused CPU kernel was not built at install (no C++ compiler?)" if not stale else
-                       f"optim's fused CPU kernel was installed by an older optim ({stale[0]}): reinstall optim")
-    try:
-        with open(os.path.join(folder, _RECORD)) as f:
-            built = json.load(f)
-        jaxlib = importlib.metadata.version("jaxlib")
-    except (OSError, ValueError, importlib.metadata.PackageNotFoundError) as e:
-        return False, f"optim's fused CPU kernel {path} was not loaded: no build record or jaxlib version ({e!r})"
-    was = built.get("jaxlib")
-    why = _refusal(built, jaxlib, _ffi_api(jax.ffi.include_dir()))
-    if why:
-        return False, (f"optim's fused CPU kernel {path} was not loaded: {why}; rebuild it against this jaxlib "
-                       "(pip install --force-reinstall --no-deps --no-build-isolation --no-binary optim-jax optim-jax, "
-                       f"with setuptools and a C++ compiler) or install jaxlib {was}")
-    try:
-        lib = ctypes.CDLL(path)
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.optim_fused), platform="cpu")
-    except Exception as e:      # a broken file: the JAX path still works
-        return False, f"optim's fused CPU kernel {path} could not be loaded: {e!r}"
-    also = "" if was == jaxlib else f" (built against jaxlib {was}, runs under jaxlib {jaxlib})"
-    return True, f"optim's fused CPU kernel: {path}{also}"
+_KERNEL, _RECORD = fused_load._KERNEL, fused_load._RECORD
+_ffi_api, _refusal, _load = fused_load._ffi_api, fused_load._refusal, fused_load.load   # as named before
 
 
 AVAILABLE, WHY = _load()
@@ -147,13 +97,6 @@ def only_cpu() -> bool:
 _ONLY_CPU: bool | None = None
 
 
-def _split(rule: Any) -> tuple[Any, Any]:
-    """`(clip, rule)`: a two-stage `chain(ClipGlobalNorm, rule)` as its clip and its rule; else `(None, rule)`."""
-    if type(rule) is OptimiserChain and len(rule.rules) == 2 and formula_of(rule.rules[0]) == "clip":
-        return rule.rules
-    return None, rule
-
-
 def _kind(rule: Any) -> int | None:
     """The kernel's kind for `rule`'s formula (see `Rule._formula`), or None where the kernel has none."""
     formula = formula_of(rule)
@@ -162,7 +105,159 @@ def _kind(rule: Any) -> int | None:
     return _KINDS.get(formula)
 
 
-_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT}
+_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM}
+# The wrappers that gate the whole step on a flag computed across the parameters, and their states' types.
+_GATES = {SkipNonFinite: SkipNonFiniteState, SkipLargeUpdates: SkipLargeUpdatesState}
+
+
+class _Plan(NamedTuple):
+    """A rule as the kernel runs it: gating wrappers (`SkipNonFinite`, `SkipLargeUpdates`) and at most one `EMA`
+    around (in any order) a kernel rule, alone or as a chain `[ClipGlobalNorm,] rule [, Scale]`."""
+
+    gates: tuple          # the gating wrappers, outermost first
+    ema: Any              # the EMA, or None
+    clip: Any             # the chain's ClipGlobalNorm, or None
+    core: Any             # the rule with a kernel formula
+    scale: Any            # the chain's last stage, a Scale, or None
+    walk: tuple           # the wrappers' kinds from the outside in: "gate" or "ema" (each state is (inner, own))
+    at: int | None        # the core's stage in the chain (None: no chain)
+
+
+def _peel(rule: Any) -> _Plan | None:
+    """`rule` as the kernel runs it (see `_Plan`), or None where it cannot. Wrappers are matched by their exact
+    class (a subclass may change what they compute), as formulas are (`formula_of`)."""
+    gates, ema, walk = [], None, []
+    while True:
+        if type(rule) in _GATES:
+            gates.append(rule)
+            walk.append("gate")
+        elif type(rule) is EMA and ema is None:
+            ema = rule
+            walk.append("ema")
+        else:
+            break
+        rule = rule.rule
+    clip = scale = at = None
+    if type(rule) is OptimiserChain:
+        stages = rule.rules
+        first = 1 if stages and formula_of(stages[0]) == "clip" else 0
+        last = len(stages) - 1 if len(stages) > first + 1 and type(stages[-1]) is Scale else len(stages)
+        if last - first != 1:
+            return None
+        clip, scale, at = stages[0] if first else None, stages[-1] if last < len(stages) else None, first
+        rule = stages[first]
+    if _kind(rule) is None:
+        return None
+    return _Plan(tuple(gates), ema, clip, rule, scale, tuple(walk), at)
+
+
+def _open(plan: _Plan, tree: Any) -> tuple[Any, Any, list]:
+    """A stack's state tree (stored form) as `(the core rule's state, the EMA's average or None, [each gate's own
+    state])`."""
+    avg, extras = None, []
+    for w in plan.walk:
+        if w == "gate":
+            extras.append(tree[1])
+        else:
+            avg = tree[1]
+        tree = tree[0]
+    return (tree if plan.at is None else tree[plan.at]), avg, extras
+
+
+def _close(plan: _Plan, tree: Any, core: Any, avg: Any, extras: list) -> Any:
+    """`tree` (a stack's state, as `_open` read it) with its parts replaced."""
+    def go(k: int, t: Any, e: int) -> Any:
+        if k == len(plan.walk):
+            return core if plan.at is None else tuple(core if s == plan.at else v for s, v in enumerate(t))
+        if plan.walk[k] == "gate":
+            return type(t)(go(k + 1, t[0], e + 1), extras[e])
+        return type(t)(go(k + 1, t[0], e), avg)
+    return go(0, tree, 0)
+
+
+class _Inside:
+    """What the gating wrappers wrap, as the kernel sees them: no state and a placeholder step. Run by the
+    wrappers' own code (`apply_tree`) for their flags and their states' new values (`_gates`); the step itself is
+    the kernel's."""
+
+    def init(self, x):
+        return None
+
+    def apply(self, state, x, dx, *dxs):
+        return None, jnp.zeros((), jnp.float32)
+
+    def apply_tree(self, states, xs, dxs):
+        return [None] * len(xs), [jnp.zeros((), jnp.float32)] * len(xs)
+
+
+def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums: list, packs: tuple):
+    """The gating wrappers' own code on the stepping members (`members`: `(stack, member, row)`) around a rule
+    that has no state (`_Inside`): per member its flag (a bool array: the wrappers' flags together), and their
+    new states, written as pack rows `[(group, leaf, rows of the pack, values)]` and, for a state leaf that is not
+    packed, in the new `extras` (per stack each gate's own state, stored form).
+
+    The wrappers see each stack's stepping rows as one entry when they only ask whether the gradients are finite
+    (`SkipNonFinite`: a few operations per stack), else each member as an entry, a stack of one (a norm over
+    stacked gradients would copy them)."""
+    rule: Any = _Inside()
+    for g in reversed(plan.gates):
+        g = copy.copy(g)
+        object.__setattr__(g, "rule", rule)
+        rule = g
+
+    def take(a: Any, i: int, rs: tuple) -> Any:
+        if is_packed(a):
+            return packs[a.group][a.leaf][row_index(tuple(a.start + r for r in rs))]
+        return a[row_index(rs)]
+
+    if all(type(g) is SkipNonFinite for g in plan.gates):
+        # SkipNonFinite reads only whether the gradients are all finite: one pass of the kernel's over them all
+        # (XLA:CPU writes a bool per element first: 7x the time of reading them), and each stack's gradients
+        # given to the wrappers as a number that is finite where they all are.
+        flag = jax.ffi.ffi_call(_FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")(
+            *[d for i, m, _ in members for d in sums[i][m]])
+        proxy = jnp.where(flag > 0, jnp.float32(0), jnp.float32(jnp.nan)).reshape(1)
+        entries = [(i, [(m, r) for m, r in enumerate(rows[i])]) for i in range(len(rows)) if rows[i]]
+        dxs = [tuple(proxy for _ in sums[i][0]) for i, _ in entries]
+    else:
+        entries = [(i, [(m, r)]) for i, m, r in members]
+        dxs = [tuple(d[None] for d in sums[i][ms[0][0]]) for i, ms in entries]
+    states = []
+    for i, ms in entries:
+        st, rs = None, tuple(r for _, r in ms)
+        for g, e in zip(reversed(plan.gates), reversed(extras[i])):
+            st = _GATES[type(g)](st, jax.tree.map(lambda a: take(a, i, rs), e, is_leaf=is_packed))
+        states.append(st)
+    new, steps = apply_all(rule, states, [xs[i][ms[0][0]][None] for i, ms in entries], dxs)
+    oks = []
+    for (_, ms), step in zip(entries, steps):
+        ok = None
+        while isinstance(step, Gated):
+            ok = step.ok if ok is None else ok & step.ok
+            step = step.step
+        ok = jnp.broadcast_to(jnp.reshape(ok, (-1,)), (len(ms),))
+        oks += [ok[k] for k in range(len(ms))]
+    # Each stack's new rows, per gate, per leaf (entries are in stack order, and rows in order within a stack).
+    by_stack: dict = {}
+    for (i, _), st in zip(entries, new):
+        for k in range(len(plan.gates)):
+            by_stack.setdefault((i, k), []).append(st[1])
+            st = st[0]
+    pack_rows, new_extras = [], [list(e) for e in extras]
+    for (i, k), got in by_stack.items():
+        leaves, treedef = jax.tree_util.tree_flatten(extras[i][k], is_leaf=is_packed)
+        cols = zip(*[jax.tree.leaves(t) for t in got])
+        out = []
+        for a, col in zip(leaves, cols):
+            value = jnp.concatenate(col) if len(col) > 1 else col[0]
+            value = value.astype(jnp.dtype(packs[a.group][a.leaf].dtype if is_packed(a) else a.dtype))
+            if is_packed(a):
+                pack_rows.append((a.group, a.leaf, tuple(a.start + r for r in rows[i]), value))
+                out.append(a)
+            else:
+                out.append(jnp.asarray(a).at[row_index(tuple(rows[i]))].set(value))
+        new_extras[i][k] = treedef.unflatten(out)
+    return oks, pack_rows, new_extras
 
 
 def _single_device(place: Any) -> bool:
@@ -179,7 +274,7 @@ class Kernel(Strategy):
 
     def wide(self, rule: Any) -> bool:
         # Only where it will run: a process with another backend keeps XLA's stacking (one parameter a stack).
-        return only_cpu() and _kind(_split(rule)[1]) is not None
+        return only_cpu() and _peel(rule) is not None
 
     def refuse(self, rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> str | None:
         """Why the kernel cannot run `rule` on these stacks (None: it can). `firsts[i]`: the `Param` of stack
@@ -189,9 +284,11 @@ class Kernel(Strategy):
             return "turned off (OPTIM_FUSED=0)" if AVAILABLE else WHY
         if n_trees != 1:
             return f"{n_trees} gradient trees"
-        kind = _kind(_split(rule)[1])
-        if kind is None:
-            return "it has no kernel for this rule (a kernel formula, alone or after ClipGlobalNorm)"
+        plan = _peel(rule)
+        if plan is None:
+            return ("it has no kernel for this rule (a kernel formula, alone or in a chain [ClipGlobalNorm,] rule "
+                    "[, Scale], inside SkipNonFinite, SkipLargeUpdates or one EMA)")
+        kind = _kind(plan.core)
         try:
             hypers = jax.tree.leaves(rule)
             if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and traced_sharded(h) for h in hypers):
@@ -203,18 +300,31 @@ class Kernel(Strategy):
                 return f"a parameter of dtype {jnp.dtype(p.dtype).name}"
             if p.state_place is not None or not _single_device(p.place):
                 return "a sharded parameter or state (a custom call would gather it)"
-            leaves = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)[0]
+            try:
+                core, avg, extras = _open(plan, tree)
+            except (TypeError, IndexError):
+                return "a state of another structure"
+            leaves = jax.tree_util.tree_flatten(core, is_leaf=is_packed)[0]
             wide = [a for a in leaves if not is_packed(a)]
-            if kind in (_ADAM, _ADAMW_COUPLED, _ADAMW):
+            if kind in _ADAMS:
                 if len(leaves) != 3 or not is_packed(leaves[2]) or len(wide) != 2:
                     return "a state of another structure"
             elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
                 return "a state of another structure"
+            if plan.ema is not None:
+                if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
+                    return "an EMA average that is not a float32 array"
+                wide = wide + [avg]
             for a in wide:
                 if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS:
                     return "a state array of another shape or dtype"
                 if traced_sharded(a):
                     return "a sharded state array"
+            for e in extras:      # the gates' own states: numbers per parameter (packed, or a stack of them)
+                for a in jax.tree_util.tree_flatten(e, is_leaf=is_packed)[0]:
+                    if not is_packed(a) and (not hasattr(a, "shape") or np.shape(a)[:1] != (n,)
+                                             or np.size(a) > 8 * n or traced_sharded(a)):
+                        return "a state of another structure"
         return None
 
     def run(self, prog: Any, rule: Any, js: list, in_place: bool, stacks: list, packs: tuple, xs: list, gs: list,
@@ -237,7 +347,7 @@ class Kernel(Strategy):
         def on_kernel(hypers, stacks, packs, xs, gs, parts, ms):
             new_stacks, new_params, written, new_ms = kernel_calls(
                 treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
-                [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms)
+                [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms, gs)
             return new_stacks, new_params, assemble(packs, written), new_ms
 
         return kernel_or_xla(on_kernel, on_xla, hypers, stacks, packs, xs, gs, parts, mirrors)
@@ -247,44 +357,54 @@ KERNEL = register(Kernel())
 
 
 def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple,
-                 in_place: bool, mirrors: list):
+                 in_place: bool, mirrors: list, sums: list | None = None):
     """`rule`'s step of these stacks as kernel calls, at most `MAX_MEMBERS` members each (see `Kernel.refuse`).
     Per stack `i`: `stored[i]` its stored state tree, `rows[i]` its stepping rows, `sizes[i]` its size, `xs[i]`
     / `gs[i]` the stepping rows' parameters and gradients (per member a tuple of 1 or 2 arrays that the kernel
-    sums: a tied parameter's gradient parts), and `mirrors[i]` per member a tuple of arrays like it (the model's
-    other positions of a tie) that get its new value. `in_place`: alias the new state, parameters and mirrors to
-    the old (updated in place when the caller donates them; else XLA copies them first), or write them beside
-    the old (for a call that keeps its inputs). Returns `(new stored trees, new parameters per stack, new pack
-    rows [(group, leaf, rows of the pack, values)], new mirrors per stack)`, as XLA's path does."""
-    clip, rule = _split(rule)
-    kind = _kind(rule)
+    sums: a tied parameter's gradient parts), `sums[i]` per member its summed gradient per tree (what the gating
+    wrappers' own code reads; default: the parts summed), and `mirrors[i]` per member a tuple of arrays like it
+    (the model's other positions of a tie) that get its new value. `in_place`: alias the new state, parameters
+    and mirrors to the old (updated in place when the caller donates them; else XLA copies them first), or write
+    them beside the old (for a call that keeps its inputs). Returns `(new stored trees, new parameters per stack,
+    new pack rows [(group, leaf, rows of the pack, values)], new mirrors per stack)`, as XLA's path does."""
+    plan = _peel(rule)
+    kind = _kind(plan.core)
+    if sums is None:
+        sums = [tuple((sum(g[1:], g[0]),) for g in member) for member in gs]
+    members = [(i, m, r) for i in range(len(stored)) for m, r in enumerate(rows[i])]
     scale = jnp.ones((), jnp.float32)
-    if clip is not None:     # ClipGlobalNorm's factor over all these members, in float32 (see its `factor`)
-        scale = clip.factor([sum(g[1:], g[0]) for member in gs for g in member]).astype(jnp.float32)
-    flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in stored]
-    wides = [[a for a in leaves if not is_packed(a)] for leaves, _ in flat]
+    if plan.clip is not None:     # ClipGlobalNorm's factor over all these members, in float32 (see its `factor`)
+        scale = plan.clip.factor([sum(g[1:], g[0]) for member in gs for g in member]).astype(jnp.float32)
+    opened = [_open(plan, t) for t in stored]
+    extras = [o[2] for o in opened]
+    oks, pack_rows = {}, []
+    if plan.gates:      # the wrappers' flags and new states, by their own code (see `_gates`)
+        flags, pack_rows, extras = _gates(plan, extras, rows, members, xs, sums, packs)
+        oks = {(i, m): ok for (i, m, _), ok in zip(members, flags)}
+    flat = [jax.tree_util.tree_flatten(o[0], is_leaf=is_packed) for o in opened]
+    wides = [[a for a in leaves if not is_packed(a)] + ([o[1]] if plan.ema is not None else [])
+             for (leaves, _), o in zip(flat, opened)]
     # Members grouped by parameter shape, dtype and state dtypes: one call per group of at most MAX_MEMBERS.
     groups: dict = {}
-    for i in range(len(stored)):
+    for i, m, r in members:
         x0 = xs[i][0]
         key = (tuple(x0.shape), jnp.dtype(x0.dtype), tuple(jnp.dtype(a.dtype) for a in wides[i]))
-        for m, r in enumerate(rows[i]):
-            groups.setdefault(key, []).append((i, m, r))
+        groups.setdefault(key, []).append((i, m, r))
     new_wides = [list(w) for w in wides]
     new_xs = [list(x) for x in xs]
     new_mirrors = [list(m) for m in mirrors]
-    pack_rows: list = []
-    for members in groups.values():
-        for lo in range(0, len(members), MAX_MEMBERS):
-            call = members[lo:lo + MAX_MEMBERS]
+    for group in groups.values():
+        for lo in range(0, len(group), MAX_MEMBERS):
+            call = group[lo:lo + MAX_MEMBERS]
             stacks = list(dict.fromkeys(i for i, _, _ in call))        # the calls' sets of state stacks, in order
             x0 = xs[call[0][0]][0]
-            scalars, writes = _scalars(kind, rule, x0, call, flat, packs, scale)
+            ok = jnp.stack([oks[(i, m)] for i, m, _ in call]) if oks else None
+            scalars, writes = _scalars(kind, plan, x0, call, flat, packs, scale, ok)
             pack_rows += writes
             state_in = [a for i in stacks for a in new_wides[i]]
-            outs = _call(kind, scalars, state_in, [xs[i][m] for i, m, _ in call], [gs[i][m] for i, m, _ in call],
-                         [mirrors[i][m] for i, m, _ in call], [stacks.index(i) for i, _, _ in call],
-                         [r for _, _, r in call], in_place)
+            outs = _call(kind, plan.ema is not None, scalars, state_in, [xs[i][m] for i, m, _ in call],
+                         [gs[i][m] for i, m, _ in call], [mirrors[i][m] for i, m, _ in call],
+                         [stacks.index(i) for i, _, _ in call], [r for _, _, r in call], in_place)
             ns = len(wides[stacks[0]])
             for s, i in enumerate(stacks):
                 new_wides[i] = list(outs[s * ns:(s + 1) * ns])
@@ -294,18 +414,28 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
                 new_mirrors[i][m] = tuple(outs[at:at + len(mirrors[i][m])])
                 at += len(mirrors[i][m])
     new_stored = []
-    for (leaves, treedef), w in zip(flat, new_wides):
+    for t, (leaves, treedef), w, (_, avg, _), e in zip(stored, flat, new_wides, opened, extras):
         it = iter(w)
-        new_stored.append(treedef.unflatten([a if is_packed(a) else next(it) for a in leaves]))
+        core = treedef.unflatten([a if is_packed(a) else next(it) for a in leaves])
+        new_stored.append(_close(plan, t, core, next(it) if plan.ema is not None else avg, e))
     return new_stored, [tuple(x) for x in new_xs], pack_rows, [tuple(m) for m in new_mirrors]
 
 
-def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array):
-    """The `(members, 8)` float32 scalars of one call (see optim/_engine/fused.cc), and for Adam the new bias-correction
-    powers as pack rows: `[(group, leaf, rows of the pack, values)]`."""
-    k = len(call)
+def _scalars(kind: int, plan: _Plan, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array,
+             ok: jax.Array | None):
+    """The `(members, 16)` float32 scalars of one call (see optim/_engine/fused.cc), and for the Adam family the
+    new bias-correction powers as pack rows: `[(group, leaf, rows of the pack, values)]` (the old ones where
+    `ok`, a flag per member, is false)."""
+    k, rule = len(call), plan.core
     zero = jnp.zeros((), jnp.float32)
     lr = as_compute(rule.lr, x)
+    # The chain's last Scale (the step times f), an EMA's decay (in its average's dtype, float32), the gate.
+    f = as_compute(plan.scale.f, x) if plan.scale is not None else jnp.ones((), jnp.float32)
+    d = jnp.asarray(plan.ema.decay, jnp.float32) if plan.ema is not None else zero
+    tail = [scale, f.astype(jnp.float32), d]
+    flags = jnp.ones((k, 1), jnp.float32) if ok is None else ok.astype(jnp.float32)[:, None]
+    writes: list = []
+    k2 = zero
     if kind == _DESCENT:
         row = [lr]
     elif kind == _MOMENTUM:
@@ -314,9 +444,9 @@ def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: 
         row = [lr, as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)]
     else:
         b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
-        wd = as_compute(rule.weight_decay, x) if kind != _ADAM else zero
+        wd = as_compute(rule.weight_decay, x) if kind in (_ADAMW, _ADAMW_COUPLED) else zero
         # This call's members' powers (β₁ᵗ, β₂ᵗ): their rows of the packs, read per pack group, in call order.
-        bts, runs, writes = [], [], []
+        bts, runs, at = [], [], 0
         for i, _, r in call:
             p = flat[i][0][2]
             key = (p.group, p.leaf)
@@ -324,23 +454,34 @@ def _scalars(kind: int, rule: Any, x: jax.Array, call: list, flat: list, packs: 
                 runs[-1][1].append(p.start + r)
             else:
                 runs.append((key, [p.start + r]))
-        for (g, leaf), at in runs:
-            bt = packs[g][leaf][row_index(tuple(at))]
+        for (g, leaf), rows in runs:
+            bt = packs[g][leaf][row_index(tuple(rows))]
             bts.append(bt)
-            writes.append((g, leaf, tuple(at), bt * jnp.stack([b1, b2]).astype(bt.dtype)))
+            new = bt * jnp.stack([b1, b2]).astype(bt.dtype)
+            if ok is not None:     # a skipped step keeps the powers (as the wrappers gate the whole state)
+                new = jnp.where(ok[at:at + len(rows), None], new, bt)
+            at += len(rows)
+            writes.append((g, leaf, tuple(rows), new))
         bt = (bts[0] if len(bts) == 1 else jnp.concatenate(bts)).astype(jnp.float32)
-        c = 1 / (1 - bt)
+        if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
+            c = jnp.stack([b1 / (1 - b1 * bt[:, 0]), b2 / (1 - bt[:, 1])], axis=1)
+            k2 = (1 - b1) / (1 - bt[:, 0])
+        else:
+            c = 1 / (1 - bt)
         head = jnp.broadcast_to(jnp.stack([lr, b1, b2, eps_of(rule.eps, x)]).astype(jnp.float32), (k, 4))
-        tail = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32), scale]), (k, 2))
-        return jnp.concatenate([head, c, tail], axis=1), writes
-    row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + [scale])
-    return jnp.broadcast_to(row, (k, 8)), []
+        mid = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32)] + tail), (k, 4))
+        k2 = jnp.broadcast_to(jnp.asarray(k2, jnp.float32), (k,))[:, None]
+        return jnp.concatenate([head, c.astype(jnp.float32), mid, flags, k2, jnp.zeros((k, 4), jnp.float32)],
+                               axis=1), writes
+    row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + tail)
+    return jnp.concatenate([jnp.broadcast_to(row, (k, 10)), flags, jnp.zeros((k, 5), jnp.float32)], axis=1), writes
 
 
-def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, ms: list, sets: list, rows: list,
-          in_place: bool) -> list:
+def _call(kind: int, ema: bool, scalars: jax.Array, state: list, xs: list, gs: list, ms: list, sets: list,
+          rows: list, in_place: bool) -> list:
     """The kernel on one call's operands (`gs`: per member a tuple of 1 or 2 gradient arrays; `ms`: per member a
-    tuple of mirrors): returns the new state stacks, then the new parameters, then the new mirrors."""
+    tuple of mirrors; `ema`: each set of state stacks ends with an EMA's average): returns the new state
+    stacks, then the new parameters, then the new mirrors."""
     ys = [y for m in ms for y in m]
     outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state + xs + ys]
     n_grads = sum(len(p) for p in gs)
@@ -350,5 +491,5 @@ def _call(kind: int, scalars: jax.Array, state: list, xs: list, gs: list, ms: li
                  if in_place else {})
     f = jax.ffi.ffi_call(_TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
     return f(scalars, *state, *xs, *[g for parts in gs for g in parts], *ys, kind=np.int64(kind),
-             sets=np.asarray(sets, np.int64), rows=np.asarray(rows, np.int64),
+             ema=np.int64(ema), sets=np.asarray(sets, np.int64), rows=np.asarray(rows, np.int64),
              parts=np.asarray([len(p) for p in gs], np.int64), mirrors=np.asarray([len(m) for m in ms], np.int64))
