@@ -5,8 +5,16 @@ pytest imports the test files with `tests/` on `sys.path` (its default "prepend"
 `test_stacking`.
 """
 
-import jax
-import jax.numpy as jnp
+import os
+
+# Before JAX starts: XLA:CPU's thread pool is as large as the machine (2 threads on CI). jaxlib 0.10's batched
+# LAPACK kernels (eigh, qr: SOAP) queue work on that pool and wait for it, so two at once on a 2-thread pool can
+# wait for ever; SOAP runs its own one after another (optim/_rules/soap.py), and this makes the suite safe from
+# any other overlap (tests/parallel_cases.py does the same for collectives).
+os.environ.setdefault("PJRT_NPROC", str(max(32, os.cpu_count() or 1)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np
 
 

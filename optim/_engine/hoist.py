@@ -253,7 +253,8 @@ def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs:
     views = [t[head:] for t in stored] if head else stored
     out: list = [None] * len(stored)
     pack_rows: list = []
-    if packs and ENABLED and looks_across(rule_now) is None:
+    # A rule that asks for its stacks together (`Rule._hoist` False: SOAP orders its stacks' eigh / qr) runs whole.
+    if packs and ENABLED and looks_across(rule_now) is None and getattr(rule_now, "_hoist", True):
         out, pack_rows = run(rule_now, views, rows, sizes, xs, dxs_now, packs)
     rest = [k for k, o in enumerate(out) if o is None]
     if rest:

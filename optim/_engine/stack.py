@@ -26,6 +26,9 @@ STACK_MAX_SIZE = 8192
 
 
 STACK_MAX_MEMBERS = 64
+# In `make_stacks`' `wide`: `(ANY, r)` marks rule `r` as one whose large parameters are stacked whatever their dtype
+# and placement (`Rule._stack_large`: SOAP batches its eigh / qr over a stack).
+ANY = "any"
 # The dtypes of parameters and state arrays that optim's fused CPU kernel reads (optim/_engine/fused.cc).
 KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -35,11 +38,12 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     (`setup(..., state_sharding=fn)`); small ones together (at most `STACK_MAX_MEMBERS`), large ones alone,
     except for the rules in `wide` (indices): the rules that optim's fused CPU kernel runs (`optim._engine.fused`),
     which reads each member where it is, so stacking their large parameters' states costs no pass (and saves
-    the arrays in and out of each call). Deterministic, in parameter order."""
+    the arrays in and out of each call), and the rules `r` given as `(ANY, r)`, which batch per-parameter matrix
+    work over a stack (`Rule._stack_large`). Deterministic, in parameter order."""
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):
-        if math.prod(p.shape) > STACK_MAX_SIZE and not (
+        if math.prod(p.shape) > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not (
                 p.rule in wide and p.place is None and p.state_place is None
                 and p.dtype in KERNEL_FLOATS):
             out.append([u])
@@ -191,6 +195,11 @@ def _placed_init(rule: Any, xs: list, sharding: Any = None) -> Any:
     requested = sharding
     if sharding is None:
         sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding) and not getattr(x, "_committed", True):
+            # An uncommitted parameter (made by jnp on the default device) gets an uncommitted state: a
+            # committed one would commit the step's outputs, model included, and the user's jitted step would
+            # compile again on its second call, for committed inputs.
+            sharding = None
     places = stack_shardings(sharding)
     if places is None:
         return batched(stack_arrays(xs))

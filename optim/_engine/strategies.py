@@ -65,11 +65,15 @@ def key() -> tuple[bool, ...]:
 
 def wide_rules(rules: tuple) -> frozenset:
     """The rules (indices into `rules`, which may be wrapped as `setup` stores them) that an enabled strategy
-    keeps stacked when their parameters are large (`optim._engine.stack.make_stacks`)."""
+    keeps stacked when their parameters are large (`optim._engine.stack.make_stacks`), and, as `(ANY, index)`,
+    the rules that ask for it themselves (`Rule._stack_large`: stacked whatever their dtype and placement)."""
     from .._core.state import unwrap
+    from .._rules.protocol import stacks_large
+    from .stack import ANY
 
     return frozenset(r for r, rule in enumerate(rules) if any(s.enabled() and s.wide(unwrap(rule))
-                                                                for s in _REGISTERED))
+                                                                for s in _REGISTERED)) | frozenset(
+        (ANY, r) for r, rule in enumerate(rules) if stacks_large(unwrap(rule)))
 
 
 def choose(rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> Strategy | None:

@@ -151,6 +151,13 @@ class Rule:
     # engine's strategies that run formulas by name (optim._engine.fused); read from the class itself, not inherited, so
     # a subclass that changes `apply` does not claim it (`formula_of`).
     _formula: ClassVar[str | None] = None
+    # Whether the rule's parameters are stacked whatever their size (`optim._engine.stack.make_stacks` keeps large
+    # ones alone otherwise): a rule whose step is matrix work per parameter (SOAP's eigh and qr) then runs it
+    # batched, once per shape, at the cost of a copy of each parameter into its stack (see `stacks_large`).
+    _stack_large: ClassVar[bool] = False
+    # Whether XLA's path may split the rule's step per stack to run its scalar arithmetic once per pack
+    # (`optim._engine.hoist`); False: its `apply_tree` gets all its stacks at once (SOAP orders their eigh / qr).
+    _hoist: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -330,6 +337,15 @@ def inner_fields(rule: Any) -> list[str]:
         if is_rule(v) or (isinstance(v, tuple) and v and all(map(is_rule, v))):
             out.append(f.name)
     return out
+
+
+def stacks_large(rule: Any) -> bool:
+    """Whether `rule`, or a rule inside it (a chain's stage, a wrapper's rule), asks for its large parameters
+    to be stacked (`Rule._stack_large`)."""
+    if getattr(rule, "_stack_large", False):
+        return True
+    return any(stacks_large(r) for name in inner_fields(rule)
+               for r in (getattr(rule, name) if isinstance(getattr(rule, name), tuple) else (getattr(rule, name),)))
 
 
 def formula_of(rule: Any) -> str | None:
