@@ -19,7 +19,11 @@ from ._interop.optax import WholeTreeError, from_optax, to_optax, with_extra_arg
 from ._core.destructure import destructure, trainables
 from ._core.microbatch import microbatch
 from ._rules.layerwise import Lamb, Lars, Muon
+from ._rules.soap import SOAP
+from ._rules.lr_free import DoG, Prodigy
 from ._rules.adopt import ADOPT
+from ._rules.ademamix import AdEMAMix
+from ._rules.cautious import Cautious
 from ._rules.adam import AdaBelief, AdaMax, Adam, AdamW, AMSGrad, NAdam, OAdam, RAdam
 from ._rules.adaptive import AdaDelta, AdaGrad, RMSProp
 from ._rules.transforms import ClipGrad, ClipNorm, Scale, SignDecay, WeightDecay
@@ -48,12 +52,12 @@ __all__ = [
     "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
-    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Muon", "global_norm",
+    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "SOAP", "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
-    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "Lion", "WeightDecay", "SignDecay", "ClipGrad",
-    "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "OptimiserChain", "chain", "AccumGrad",
-    "MixedPrecision",
+    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "AdEMAMix", "Lion", "WeightDecay", "SignDecay",
+    "ClipGrad", "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "Prodigy", "DoG",
+    "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
     "print_info",
 ]

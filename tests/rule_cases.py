@@ -41,9 +41,9 @@ import optax
 import optim
 from optim._rules.protocol import inner_fields
 from rule_refs import (
-    r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_adopt, r_amsgrad, r_chain, r_clipgrad,
-    r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop, r_rprop,
-    r_signdecay, r_weightdecay,
+    r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_ademamix, r_adopt, r_amsgrad, r_cautious,
+    r_chain, r_clipgrad, r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop,
+    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog,
 )
 
 O = optim
@@ -401,6 +401,41 @@ RULES = [
         adjust=((lambda: O.ADOPT(0.01), [{"lr": 0.001}, {"beta": (0.5, 0.9), "eps": 1e-4}]),),
     ),
     RuleCases(
+        O.AdEMAMix, O.AdEMAMix(1e-3, (0.9, 0.999), 0.9999, 5.0, 1e-8, 0.0), has_lr=True,
+        references=(
+            Reference("AdEMAMix()", lambda: O.AdEMAMix(), r_ademamix(1e-3, (0.9, 0.999), 0.9999, 5.0, 1e-8, 0.0), 5),
+            # beta3 .9 so that the slow moment is not ~0 within 8 steps
+            Reference("AdEMAMix(.1,(.8,.95),.9,2,1e-6,.1)", lambda: O.AdEMAMix(0.1, (0.8, 0.95), 0.9, 2.0, 1e-6, 0.1),
+                      r_ademamix(0.1, (0.8, 0.95), 0.9, 2.0, 1e-6, 0.1), 8)),
+        stacked=(Case("AdEMAMix+warmups", lambda: O.AdEMAMix(0.1, beta3=O.Linear(0.5, 0.99, 4),
+                                                              alpha=O.Linear(0.0, 5.0, 4), weight_decay=0.1)),),
+        # beta3 .999: with the default .9999 the slow moment is still filling after 2000 steps (loss 5.5e-2; the
+        # paper's appendix C.1.5 advises a smaller beta3 for short runs)
+        converges=(Converges("AdEMAMix(1e-2,b3=.999)", lambda: O.AdEMAMix(1e-2, beta3=0.999), 0.01),),  # 3.0e-3
+        dtypes=(Case("AdEMAMix", lambda: O.AdEMAMix(weight_decay=0.1)),),
+        bfloat16=(Case("AdEMAMix", lambda: O.AdEMAMix(0.1, beta3=0.9, weight_decay=0.1)),),
+        complex_=(Case("AdEMAMix", lambda: O.AdEMAMix(1e-2, beta3=0.99)),),
+        keywords=((lambda: O.AdEMAMix(weight_decay=0.1, eps=1e-6, alpha=2.0, beta3=0.99, beta=(0.8, 0.9), lr=0.2),
+                   lambda: O.AdEMAMix(0.2, (0.8, 0.9), 0.99, 2.0, 1e-6, 0.1)),),
+        int_hyperparameters=(IntHyper("AdEMAMix(alpha=5)", lambda: O.AdEMAMix(alpha=5), "alpha"),),
+        bad=(Bad("AdEMAMix beta3 = 1", lambda: O.AdEMAMix(beta3=1.0), ValueError,
+                 r"AdEMAMix: beta3 must be in \[0, 1\) and finite, got 1.0"),
+             Bad("AdEMAMix alpha < 0", lambda: O.AdEMAMix(alpha=-1.0), ValueError,
+                 "AdEMAMix: alpha must be >= 0 and finite, got -1.0"),
+             Bad("AdEMAMix beta3 schedule to 1", lambda: O.AdEMAMix(beta3=O.Linear(0.9, 1.0, 10)), ValueError,
+                 r"AdEMAMix: beta3 must be in \[0, 1\) at every step, but the schedule .* takes values up to 1"),
+             Bad("AdEMAMix beta triple", lambda: O.AdEMAMix(beta=(0.9, 0.99, 0.999)), TypeError,
+                 "AdEMAMix: beta must be a pair")),
+        x64_optax=(Optax("AdEMAMix()", lambda: O.AdEMAMix(0.01), lambda: optax.contrib.ademamix(0.01),
+                         defaults=True),
+                   Optax("AdEMAMix(all)", lambda: O.AdEMAMix(0.05, (0.8, 0.99), 0.9, 3.0, 1e-5, 0.1),
+                         lambda: optax.contrib.ademamix(0.05, b1=0.8, b2=0.99, b3=0.9, alpha=3.0, eps=1e-5,
+                                                        weight_decay=0.1))),
+        adjust=((lambda: O.AdEMAMix(0.01, weight_decay=0.1),
+                 [{"lr": 0.001},
+                  {"beta": (0.5, 0.9), "beta3": 0.99, "alpha": 2.0, "eps": 1e-4, "weight_decay": 0.0}]),),
+    ),
+    RuleCases(
         O.Lion, O.Lion(1e-4, (0.9, 0.99)), has_lr=True,
         references=(Reference("Lion()", lambda: O.Lion(), r_lion(1e-4, (0.9, 0.99)), 5),
                     Reference("Lion(.1,(.8,.95))", lambda: O.Lion(lr=0.1, beta=(0.8, 0.95)), r_lion(0.1, (0.8, 0.95)),
@@ -516,6 +551,49 @@ RULES = [
                         r"SkipNonFinite: rule must be a rule \(it needs init and apply\), got None"),),
     ),
     RuleCases(
+        O.Cautious, reduces_over_parameter=True,
+        # the inner rule's reference without its decay; the decay (lr * lam * x, or lam * x) added unmasked
+        references=(
+            Reference("Cautious(Adam(.1))", lambda: O.Cautious(O.Adam(0.1)), r_cautious(r_adam(0.1)), 5),
+            Reference("Cautious(AdamW(couple=True))",
+                      lambda: O.Cautious(O.AdamW(0.1, (0.8, 0.95), weight_decay=0.3, eps=1e-6)),
+                      r_cautious(r_adamw(0.1, (0.8, 0.95), 0.0, 1e-6), lambda x: f32(0.1) * f32(0.3) * x), 5),
+            Reference("Cautious(AdamW(couple=False))",
+                      lambda: O.Cautious(O.AdamW(0.1, (0.8, 0.95), weight_decay=0.3, eps=1e-6, couple=False)),
+                      r_cautious(r_adamw(0.1, (0.8, 0.95), 0.0, 1e-6), lambda x: f32(0.3) * x), 5),
+            Reference("Cautious(Lion(.1))", lambda: O.Cautious(O.Lion(0.1, (0.8, 0.95))),
+                      r_cautious(r_lion(0.1, (0.8, 0.95))), 5),
+            Reference("Cautious(AdEMAMix(wd))", lambda: O.Cautious(O.AdEMAMix(0.1, beta3=0.9, weight_decay=0.2)),
+                      r_cautious(r_ademamix(0.1, beta3=0.9), lambda x: f32(0.1) * f32(0.2) * x), 5),
+            Reference("Cautious(chain(ClipGlobalNorm(1),AdamW))",
+                      lambda: O.Cautious(O.chain(O.ClipGlobalNorm(1.0), O.AdamW(0.1, weight_decay=0.3))),
+                      r_cautious(r_chain(r_clipnorm(1.0, 2), r_adamw(0.1)), lambda x: f32(0.1) * f32(0.3) * x), 5),
+            # a decay that is not the last stage is masked with the rest
+            Reference("Cautious(chain(WeightDecay(.3),Adam(.1)))",
+                      lambda: O.Cautious(O.chain(O.WeightDecay(0.3), O.Adam(0.1))),
+                      r_cautious(r_chain(r_weightdecay(0.3), r_adam(0.1))), 5)),
+        stacked=(Case("Cautious(AdamW+schedule)", lambda: O.Cautious(O.AdamW(O.Linear(0.1, 0.01, 4),
+                                                                                weight_decay=0.1))),
+                 Case("Cautious(AccumGrad(2)+AdamW)", lambda: O.Cautious(O.chain(O.AccumGrad(2),
+                                                                                 O.AdamW(0.1, weight_decay=0.1)))),
+                 Case("Cautious(SkipNonFinite(AdamW))", lambda: O.Cautious(O.SkipNonFinite(O.AdamW(0.1,
+                                                                                               weight_decay=0.1))))),
+        converges=(Converges("Cautious(AdamW(1e-2))", lambda: O.Cautious(O.AdamW(1e-2, weight_decay=1e-3)),
+                             0.01),                                                              # 1.8e-5
+                   Converges("Cautious(Lion(3e-3))", lambda: O.Cautious(O.Lion(3e-3)), 0.01)),  # 6.2e-5
+        dtypes=(Case("Cautious(AdamW)", lambda: O.Cautious(O.AdamW(weight_decay=0.1))),
+                Case("Cautious(Lion)", lambda: O.Cautious(O.Lion()))),
+        bfloat16=(Case("Cautious(AdamW)", lambda: O.Cautious(O.AdamW(0.1, weight_decay=0.1))),),
+        complex_=(Case("Cautious(AdamW)", lambda: O.Cautious(O.AdamW(1e-2, weight_decay=1e-3))),),
+        structural=(Bad("Cautious(3)", lambda: O.Cautious(3), TypeError,
+                        r"Cautious: rule must be a rule \(it needs init and apply\), got 3; write "
+                        r"Cautious\(AdamW\(1e-3\)\)"),
+                    Bad("Cautious(MixedPrecision)", lambda: O.Cautious(O.MixedPrecision(O.Adam())), TypeError,
+                        "Cautious: MixedPrecision must wrap Cautious")),
+        adjust=((lambda: O.Cautious(O.AdamW(0.01, weight_decay=0.1)),
+                 [{"lr": 0.001}, {"beta": (0.5, 0.9), "weight_decay": 0.0}]),),
+    ),
+    RuleCases(
         O.Lamb, reduces_over_parameter=True, trust_ratio=True,
         stacked=(Case("Lamb(.1,wd)", lambda: O.Lamb(0.1, weight_decay=0.1)),),
         bad=(Bad("Lamb lr", lambda: O.Lamb(-0.1), ValueError, "Lamb: lr must be >= 0 and finite, got -0.1"),
@@ -594,6 +672,66 @@ RULES = [
                 "Muon: adaptive must be True or False, got int 1")),
         adjust=((lambda: O.Muon(0.02, consistent_rms=0.2),
                  [{"lr": 0.001}, {"rho": 0.5, "eps": 1e-6, "weight_decay": 0.1, "consistent_rms": 0.3}]),),
+    ),
+    # Whole-model rules (their sums run over every parameter, like ClipGlobalNorm's norm): a reference case is a
+    # model of one parameter; `stacked` runs them over the stacking test's model (None gradients, a frozen
+    # member), `x64_optax` on its tied model (optax given the weight once, with the summed gradient).
+    RuleCases(
+        O.Prodigy, O.Prodigy(1.0, (0.9, 0.999), None, 1e-8, 1e-6, 1.0, 0.0, False), has_lr=True,
+        reduces_over_parameter=True,
+        references=(
+            Reference("Prodigy()", lambda: O.Prodigy(), r_prodigy(), 8),
+            Reference("Prodigy(d0=.1,all)", lambda: O.Prodigy(0.5, beta=(0.8, 0.99), beta3=0.9, eps=1e-4,
+                                                              estim_lr0=0.1, estim_lr_coef=2.0, weight_decay=0.1),
+                      r_prodigy(0.5, (0.8, 0.99), 0.9, 1e-4, 0.1, 2.0, 0.1), 8),
+            Reference("Prodigy(d0=.1,safeguard)", lambda: O.Prodigy(estim_lr0=0.1, safeguard_warmup=True),
+                      r_prodigy(estim_lr0=0.1, safeguard_warmup=True), 8)),
+        converges=(Converges("Prodigy()", lambda: O.Prodigy(), 0.01),                          # 7.3e-4
+                   Converges("Prodigy(safeguard)", lambda: O.Prodigy(safeguard_warmup=True), 0.01)),  # 8.5e-12
+        stacked=(Case("Prodigy(Linear,d0=.01,wd)", lambda: O.Prodigy(O.Linear(1.0, 0.5, 4), estim_lr0=0.01,
+                                                                     weight_decay=0.1)),),
+        dtypes=(Case("Prodigy", lambda: O.Prodigy(estim_lr0=0.01)),),
+        keywords=((lambda: O.Prodigy(lr=0.5, beta3=0.9, safeguard_warmup=True),
+                   lambda: O.Prodigy(0.5, (0.9, 0.999), 0.9, safeguard_warmup=True)),),
+        int_hyperparameters=(IntHyper("Prodigy(estim_lr_coef=2)", lambda: O.Prodigy(estim_lr_coef=2),
+                                      "estim_lr_coef"),),
+        bad=(Bad("Prodigy estim_lr0", lambda: O.Prodigy(estim_lr0=0), ValueError,
+                 "Prodigy: estim_lr0 must be > 0 and finite, got 0.0"),
+             Bad("Prodigy beta3", lambda: O.Prodigy(beta3=1.0), ValueError,
+                 r"Prodigy: beta3 must be in \[0, 1\) and finite, got 1.0")),
+        structural=(Bad("Prodigy safeguard_warmup", lambda: O.Prodigy(safeguard_warmup="no"), TypeError,
+                        "Prodigy: safeguard_warmup must be True or False, got str 'no'"),),
+        x64_optax=(Optax("Prodigy()", lambda: O.Prodigy(), lambda: optax.contrib.prodigy(), defaults=True),
+                   Optax("Prodigy(all)", lambda: O.Prodigy(0.5, beta=(0.8, 0.99), beta3=0.9, eps=1e-4, estim_lr0=1e-3,
+                                                           estim_lr_coef=2.0, weight_decay=0.1, safeguard_warmup=True),
+                         lambda: optax.contrib.prodigy(0.5, (0.8, 0.99), 0.9, 1e-4, 1e-3, 2.0, 0.1, True))),
+        adjust=((lambda: O.Prodigy(estim_lr0=0.01, beta3=0.9),
+                 [{"lr": 0.5}, {"beta": (0.8, 0.99), "beta3": 0.5, "eps": 1e-6, "estim_lr0": 0.1,
+                                "estim_lr_coef": 2.0, "weight_decay": 0.1}]),),
+    ),
+    RuleCases(
+        O.DoG, O.DoG(1.0, 1e-6, 1e-8, None), has_lr=True, reduces_over_parameter=True,
+        references=(
+            Reference("DoG()", lambda: O.DoG(), r_dog(), 8),
+            Reference("DoG(reps_rel=.1,eps)", lambda: O.DoG(0.5, reps_rel=0.1, eps=1e-2), r_dog(0.5, 0.1, 1e-2), 8),
+            Reference("DoG(init_lr=.1)", lambda: O.DoG(init_learning_rate=0.1), r_dog(init_learning_rate=0.1), 8)),
+        converges=(Converges("DoG()", lambda: O.DoG(), 0.01),),                               # 8.8e-13
+        stacked=(Case("DoG(Linear,reps_rel=.01)", lambda: O.DoG(O.Linear(1.0, 0.5, 4), reps_rel=0.01)),),
+        dtypes=(Case("DoG", lambda: O.DoG(reps_rel=0.01)),),
+        keywords=((lambda: O.DoG(lr=0.5, init_learning_rate=0.1), lambda: O.DoG(0.5, 1e-6, 1e-8, 0.1)),),
+        int_hyperparameters=(IntHyper("DoG(init_learning_rate=1)", lambda: O.DoG(init_learning_rate=1),
+                                      "init_learning_rate"),),
+        bad=(Bad("DoG reps_rel", lambda: O.DoG(reps_rel=-1.0), ValueError,
+                 "DoG: reps_rel must be >= 0 and finite, got -1.0"),
+             Bad("DoG init_learning_rate", lambda: O.DoG(init_learning_rate="1"), TypeError,
+                 "DoG: init_learning_rate must be a real number")),
+        x64_optax=(Optax("DoG()", lambda: O.DoG(), lambda: optax.contrib.dog(), defaults=True),
+                   Optax("DoG(all)", lambda: O.DoG(0.5, reps_rel=1e-3, eps=1e-4),
+                         lambda: optax.contrib.dog(0.5, ("heuristic", 1e-3), 1e-4)),
+                   Optax("DoG(init_lr)", lambda: O.DoG(init_learning_rate=0.05),
+                         lambda: optax.contrib.dog(init_step=("learning_rate", 0.05)))),
+        adjust=((lambda: O.DoG(init_learning_rate=0.1), [{"lr": 0.5}, {"init_learning_rate": 0.2, "eps": 1e-6}]),
+                (lambda: O.DoG(), [{"reps_rel": 1e-3, "lr": 2.0}])),
     ),
 ]
 BY_CLASS = {r.cls: r for r in RULES}

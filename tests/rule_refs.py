@@ -284,3 +284,73 @@ def r_adopt(lr=1e-3, beta=(0.9, 0.9999), eps=1e-6, nesterov=False, clip=True):
         step = b1 * m + (1 - b1) * u if nesterov else m
         return (m, b2 * v + (1 - b2) * g ** 2, t + 1), lr * step
     return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), 0), apply)
+
+
+def r_ademamix(lr=1e-3, beta=(0.9, 0.999), beta3=0.9999, alpha=5.0, eps=1e-8, weight_decay=0.0):
+    """The paper (Pagliardini et al. 2024, arXiv:2409.03050, Algorithm 1) as `optax.contrib.ademamix` writes it:
+    the fast moment and the second moment bias-corrected, the slow moment not; the decay multiplied by lr."""
+    lr, (b1, b2), b3, alpha, eps, lam = f32(lr), f32(beta), f32(beta3), f32(alpha), f32(eps), f32(weight_decay)
+
+    def apply(s, x, g):
+        m1, m2, v, t = s
+        m1 = b1 * m1 + (1 - b1) * g
+        m2 = b3 * m2 + (1 - b3) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        m1_hat, v_hat = m1 / (1 - b1 ** t), v / (1 - b2 ** t)
+        return (m1, m2, v, t + 1), lr * ((m1_hat + alpha * m2) / (np.sqrt(v_hat) + eps) + lam * x)
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), np.zeros_like(x), 1), apply)
+
+
+def r_cautious(inner, decay=None):
+    """Cautious (Liang et al. 2024, arXiv:2411.16085, Algorithm 1; C-Optim's C-Lion and the original C-AdamW):
+    the inner step u, the mask (u g > 0) rescaled by n / (sum(mask) + 1) over the parameter, and `decay(x)` (a
+    decoupled weight decay, e.g. lr * lam * x) added unmasked. `inner` is the rule without its decay."""
+    def apply(s, x, g):
+        s, u = inner.apply(s, x, g)
+        mask = (u * g > 0).astype(np.float64)
+        delta = u * mask * (mask.size / (mask.sum() + 1))
+        return s, delta if decay is None else delta + decay(x)
+    return Ref(inner.init, apply)
+
+
+def r_prodigy(lr=1.0, beta=(0.9, 0.999), beta3=None, eps=1e-8, estim_lr0=1e-6, estim_lr_coef=1.0, weight_decay=0.0,
+              safeguard_warmup=False):
+    """Prodigy (Mishchenko & Defazio 2023, arXiv:2306.06101, Algorithm 4, the Adam version) as
+    `optax.contrib.prodigy` writes it, for a model of one parameter (the sums are over it): the moments of d g,
+    the weighted numerator r and sum s decayed by beta3 = sqrt(beta2) unless given, d = max(d, coef r / |s|_1),
+    the step with the old d in lr d bc and the new one beside eps, the decay multiplied by lr d bc."""
+    lr, (b1, b2), eps, d0 = f32(lr), f32(beta), f32(eps), f32(estim_lr0)
+    coef, lam = f32(estim_lr_coef), f32(weight_decay)
+    b3 = math.sqrt(b2) if beta3 is None else f32(beta3)
+
+    def apply(s, x, g):
+        m, v, acc, x0, d, r, k = s
+        k += 1
+        dlr = lr * d * math.sqrt(1 - b2 ** k) / (1 - b1 ** k)
+        r = b3 * r + (d / d0) * dlr * float(np.sum(g * (x0 - x)))
+        m = b1 * m + (1 - b1) * d * g
+        v = b2 * v + (1 - b2) * (d * g) ** 2
+        acc = b3 * acc + ((d if safeguard_warmup else dlr) / d0) * d * g
+        den = float(np.sum(np.abs(acc)))
+        d_new = max(d, coef * r / den) if den > 0 else d
+        return (m, v, acc, x0, d_new, r, k), dlr * m / (np.sqrt(v) + d_new * eps) + lam * dlr * x
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), np.zeros_like(x), x.copy(), d0, 0.0, 0), apply)
+
+
+def r_dog(lr=1.0, reps_rel=1e-6, eps=1e-8, init_learning_rate=None):
+    """DoG (Ivgi et al. 2023, arXiv:2302.12022, Algorithm 1) as `optax.contrib.dog` writes it, for a model of one
+    parameter: r = max(r_eps, max_k |x_k - x0|), G = sum_k |g_k|^2, step = lr r / sqrt(G + eps) g, with
+    r_eps = reps_rel (1 + |x0|), or r_eps = 0 and the first step size init_learning_rate."""
+    lr, rel, eps = f32(lr), f32(reps_rel), f32(eps)
+    first = None if init_learning_rate is None else f32(init_learning_rate)
+
+    def init(x):
+        return x.copy(), (rel * (1 + float(np.linalg.norm(x))) if first is None else 0.0), 0.0, True
+
+    def apply(s, x, g):
+        x0, r, big_g, is_first = s
+        r = max(r, float(np.linalg.norm(x - x0)))
+        big_g += float(np.sum(g ** 2))
+        size = first if (first is not None and is_first) else r / math.sqrt(big_g + eps)
+        return (x0, r, big_g, False), lr * size * g
+    return Ref(init, apply)

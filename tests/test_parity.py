@@ -19,6 +19,8 @@ to match, and each difference is pinned by a second test showing that optax's de
 - Lion: optax.lion's default weight_decay is 1e-3 -> `weight_decay=0.0`.
 - Momentum: optim keeps v = η·trace (optax keeps the trace and scales by η): equal while η is constant.
 - ADOPT: the same conventions as `optax.contrib.adopt` (no difference to pin); compared to rtol 1e-10.
+- AdEMAMix: the same conventions as `optax.contrib.ademamix` (no difference to pin), also with α and β₃ warmups
+  as optim schedules; compared to rtol 1e-10.
 
 float64 is scoped to this module with `jax.enable_x64(True)` (a context manager in jax 0.10), so other test files
 still see float32.
@@ -175,6 +177,66 @@ def test_adopt_first_step_only_sets_the_second_moment():
     for k in ("a", "b"):
         np.testing.assert_array_equal(ours[k], params0()[k])
         np.testing.assert_array_equal(theirs[k], params0()[k])
+
+
+class PaperBeta3(optim.Schedule):
+    """The paper's β₃ warmup (Pagliardini et al. 2024, arXiv:2409.03050, section 3 and Algorithm 1):
+    `min(exp(ln β_start ln β₃ / ((1 - t/T) ln β₃ + (t/T) ln β_start)), β₃)`, β_start at t = 0, β₃ from t = T:
+    a schedule of one's own, as the AdEMAMix docstring suggests (optim has no built-in one)."""
+
+    start: float
+    end: float
+    steps: float
+    _values = ("start", "end")
+    _divisors = ("steps",)
+
+    def __call__(self, step):
+        frac = jnp.minimum(jnp.asarray(step, jnp.float64), self.steps) / self.steps
+        a, b = jnp.log(self.start), jnp.log(self.end)
+        return jnp.minimum(jnp.exp(a * b / ((1 - frac) * b + frac * a)), self.end)
+
+
+def _alpha64(alpha, steps):
+    """The paper's α warmup `min(t α / T, α)` in float64 for optax (optax's own `linear_schedule` is float32)."""
+    return lambda c: jnp.minimum(c, steps).astype(jnp.float64) * alpha / steps
+
+
+# AdEMAMix: optax's b3 and alpha schedules are called with its `count_m2` (0 on the first update), optim's with the
+# number of updates so far: the same. Measured: relative difference below 1e-12 after 100 steps.
+ADEMAMIX = {
+    "defaults": (optim.AdEMAMix(0.01), lambda: optax.contrib.ademamix(0.01)),
+    "all": (optim.AdEMAMix(0.02, (0.8, 0.99), 0.99, 3.0, 1e-6, 0.1),
+            lambda: optax.contrib.ademamix(0.02, b1=0.8, b2=0.99, b3=0.99, alpha=3.0, eps=1e-6, weight_decay=0.1)),
+    "warmups": (optim.AdEMAMix(0.01, beta3=PaperBeta3(0.9, 0.999, 60), alpha=optim.Linear(0.0, 5.0, 80),
+                               weight_decay=0.1),
+                lambda: optax.contrib.ademamix(0.01, b3=PaperBeta3(0.9, 0.999, 60), alpha=_alpha64(5.0, 80),
+                                               weight_decay=0.1)),
+    "linear beta3, lr schedule": (
+        optim.AdEMAMix(optim.Linear(0.02, 0.001, 50), beta3=optim.Linear(0.5, 0.99, 30)),
+        lambda: optax.contrib.ademamix(
+            lambda c: 0.02 + (0.001 - 0.02) * jnp.minimum(c, 50).astype(jnp.float64) / 50,
+            b3=lambda c: 0.5 + (0.99 - 0.5) * jnp.minimum(c, 30).astype(jnp.float64) / 30)),
+}
+
+
+@pytest.mark.parametrize("name", list(ADEMAMIX))
+def test_ademamix_matches_optax_contrib_ademamix_100_steps_float64(name):
+    rule, make_tx = ADEMAMIX[name]
+    grads = gradients()
+    ours, theirs = run_optim(rule, grads), run_optax(make_tx(), grads)
+    start = params0()
+    for k in ("a", "b"):
+        assert ours[k].dtype == jnp.float64
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-10, atol=0)
+        np.testing.assert_allclose(ours[k] - start[k], theirs[k] - start[k], rtol=1e-10, atol=1e-14)
+
+
+def test_ademamix_warmups_change_the_steps():
+    """The warmup schedules are used: without them (constant α and β₃) the run differs."""
+    grads = gradients(20)
+    warm = run_optim(ADEMAMIX["warmups"][0], grads)
+    flat = run_optim(optim.AdEMAMix(0.01, beta3=0.999, alpha=5.0, weight_decay=0.1), grads)
+    assert not np.allclose(warm["a"], flat["a"], rtol=1e-6, atol=0)
 
 
 # Each documented difference, pinned: optax's default convention does not match.

@@ -164,7 +164,8 @@ def test_zero1_every_rule_on_explicit_and_auto_axes_matches_one_device(cases):
 
 
 def test_zero1_cases_are_quick(cases):
-    assert sum(r["cpu_seconds"] for r in cases.values()) < 60
+    # 61 s of CPU on 2 cores with SOAP, Prodigy, DoG, AdEMAMix and Cautious in `every_rule` (was under 60)
+    assert sum(r["cpu_seconds"] for r in cases.values()) < 80
 
 
 def test_readme_zero1_block(cases):

@@ -398,6 +398,9 @@ def every_rule() -> dict:
         "AdaDelta": optim.AdaDelta(), "AMSGrad": optim.AMSGrad(0.01), "NAdam": optim.NAdam(0.01),
         "AdamW": optim.AdamW(0.01, weight_decay=0.1), "AdaBelief": optim.AdaBelief(0.01), "Lion": optim.Lion(0.01),
         "ADOPT": optim.ADOPT(0.01),
+        "AdEMAMix": optim.AdEMAMix(0.01, beta3=0.99, weight_decay=0.1),
+        "Cautious": optim.Cautious(optim.AdamW(0.01, weight_decay=0.1)),
+        "CautiousChain": optim.Cautious(optim.chain(optim.ClipGlobalNorm(0.5), optim.AdamW(0.01, weight_decay=0.1))),
         "WeightDecay": optim.chain(optim.WeightDecay(0.1), optim.Descent(0.1)),
         "SignDecay": optim.chain(optim.SignDecay(0.01), optim.Descent(0.1)),
         "ClipGrad": optim.chain(optim.ClipGrad(0.5), optim.Descent(0.1)),
@@ -410,6 +413,8 @@ def every_rule() -> dict:
         "ClipGlobalNorm": optim.chain(optim.ClipGlobalNorm(0.5), adam), "SkipNonFinite": optim.SkipNonFinite(adam),
         "SkipLargeUpdates": optim.SkipLargeUpdates(adam, warmup=1), "EMA": optim.EMA(adam, decay=0.9),
         "Muon": optim.Muon(0.02), "MuonAdaptive": optim.Muon(0.02, adaptive=True, nesterov=False, weight_decay=0.1),
+        "SOAP": optim.SOAP(0.01, precondition_frequency=1),
+        "Prodigy": optim.Prodigy(estim_lr0=1e-2, weight_decay=0.01), "DoG": optim.DoG(reps_rel=1e-2),
     }
 
 

@@ -5,7 +5,8 @@ Per-leaf rules are pure `init(x) -> state` and `apply(state, x, dx, *dxs) -> (st
 
 The new parameter is `x - step` (the protocol is in `protocol.py`). Formulas and defaults follow Optimisers.jl
 v0.4 (Lion follows its paper): `sgd.py`, `adaptive.py`, `adam.py`, `transforms.py`. Muon, Lamb and Lars are in
-`layerwise.py`, Adafactor in `adafactor.py`, ScheduleFreeAdamW in `schedule_free.py` (they follow optax); rules
+`layerwise.py`, Adafactor in `adafactor.py`, ScheduleFreeAdamW in `schedule_free.py`, the whole-model
+learning-rate-free Prodigy and DoG in `lr_free.py` (they follow optax); rules
 made of rules in `wrappers.py` and `average.py`.
 Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
 step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`), `m̂ = m / (1 - bt₁)` and
