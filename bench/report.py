@@ -70,7 +70,7 @@ def workload_table(sec: dict) -> list[str]:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ref_first = first.get(C.REFERENCE, {})
     ub = raw.get("unique_bytes")
-    names = [n for n in C.ALL if n in rows or n in first]
+    names = [n for n in C.ALL + C.WRAPPED if n in rows or n in first]
     names += [n for n in rows if n.endswith(C.UNTIED)]
     for n in names:
         r, f = rows.get(n, {}), first.get(n)
@@ -224,6 +224,8 @@ def render(data: dict) -> str:
         if "rows" not in su:
             out.append(f"| (failed) | {su.get('raw')} |")
         out.append("")
+    from . import step                           # the whole-step section, measured by `python -m bench.step`
+    out += step.saved_section()                  # (kept from bench/STEP.json when this file is regenerated)
     notes = data.get("notes")
     if notes:                                    # bench/NOTES.md: hand-written analysis, kept across runs
         out += [notes.strip(), ""]

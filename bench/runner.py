@@ -44,13 +44,15 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _run_worker(args: list[str], timeout: float, log, reserve_mb: float = 1500) -> dict:
-    """Run `python -m bench.worker ARGS`; returns its JSON, or {'error': ...} / {'timeout': N} / {'oom': MB}.
+def _run_worker(args: list[str], timeout: float, log, reserve_mb: float = 1500,
+                module: str = "bench.worker") -> dict:
+    """Run `python -m MODULE ARGS` (default `bench.worker`; `bench.step` runs its own children through it too);
+    returns its JSON line, or {'error': ...} / {'timeout': N} / {'oom': MB}.
 
     A watchdog kills the child when the machine's available memory falls below `reserve_mb` (the 10000-leaf
     compiles can take 20+ GB), so the suite reports it instead of the kernel's OOM killer choosing a victim.
     """
-    cmd = [sys.executable, "-m", "bench.worker", *args]
+    cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

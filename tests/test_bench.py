@@ -18,6 +18,29 @@ def test_bench_quick_mode_runs(tmp_path):
     assert (tmp_path / "RESULTS.json").exists()
 
 
+def test_bench_step_quick_mode_runs(tmp_path):
+    """`python -m bench.step --quick` on the demo's tied char LM at a tiny size (gpt12 runs the same code with 12
+    layers): optim's production stack, optax's and, when torch is installed, torch's each take full training
+    steps, and their loss trajectories agree (the check the benchmark makes before timing). No timing asserts."""
+    import importlib.util
+    import json
+
+    cands = ["optim", "optax"] + (["torch"] if importlib.util.find_spec("torch") else [])
+    out = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, "-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
+                           ",".join(cands), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sec = json.loads((tmp_path / "STEP.json").read_text())["sections"]["char-lm"]
+    for c in cands:
+        assert sec["rows"][c]["step_s"] > 0 and sec["first"][c]["first_s"] > 0, (c, sec["rows"][c])
+    checks = {c["a"]: c for c in sec["raw"]["checks"]}
+    assert set(checks) == set(cands) - {"optax"}, checks
+    assert all(c["passed"] for c in checks.values()), checks
+    assert len(sec["raw"]["losses"]["optim"]) >= 5
+    text = out.read_text()
+    assert "## Whole training step" in text and "| optim |" in text
+
+
 def test_bench_rules_quick_mode_runs(tmp_path):
     """`python -m bench.rules --quick` on one of its sections (Adafactor; the Muon, bfloat16 and 1000x16k sections
     run the same code on other rules and sizes and add ~13 s each): every row, with finite numbers, and the
@@ -56,3 +79,51 @@ def test_bench_rules_quick_mode_runs(tmp_path):
             assert finite(c["max_rel_update_diff"]) and c["passed"], (name, c)
     text = out.read_text()
     assert "| optim jit |" in text and "| optax |" in text
+
+
+def test_bench_choosing_runs(tmp_path):
+    """`python -m bench.choosing` (the docs' "Choosing an optimiser" table) at its `test` size for a few steps:
+    every optimiser this optim has trains the demo LM (finite losses, lower at the end than at the start), and
+    the state-bytes column matches a count made here from the shapes. No timing asserts."""
+    import json
+    import math
+    import os
+
+    sys.path.insert(0, str(ROOT))
+    from bench import choosing
+
+    out = tmp_path / "CHOOSING.md"
+    # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds",
+                           "1", "--inner", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    rows = res["rows"]
+    assert list(rows) == choosing.available()
+    assert {"AdamW", "Muon+AdamW", "Adafactor", "Schedule-Free"} <= set(rows)
+    for name, r in rows.items():
+        losses = [r["initial_loss"], r["train_loss"], r["held_out_loss"], *r["losses"]]
+        assert all(math.isfinite(v) for v in losses), name
+        assert r["held_out_loss"] < r["initial_loss"] and r["train_loss"] < r["losses"][0], name
+        assert r["step_s"] > 0 and r["first_s"] > 0 and math.isfinite(r["step_ratio"]), name
+        assert f"| {name} |" in out.read_text()
+
+    # The state column, counted from the model's shapes: the demo LM's parameters (the tied embedding once) are
+    # float32, so AdamW holds two of each plus a few scalars; Muon+AdamW holds one of each block matrix (Muon's
+    # momentum) and two of everything else.
+    cfg, d, vocab = res["config"], res["config"]["d"], res["vocab"]
+    per_block = {"qkv": d * 3 * d, "proj": d * d, "w1": d * 4 * d, "w2": 4 * d * d}
+    matrices = cfg["layers"] * sum(per_block.values())
+    vectors = cfg["layers"] * (4 * d + 4 * d + d) + 2 * d            # ln1, ln2 (g, b), b1, b2; ln_f
+    n = vocab * d + cfg["ctx"] * d + matrices + vectors
+    assert res["n_params"] == n and res["param_bytes"] == 4 * n
+    scalars = 1024 / res["param_bytes"]               # counters and hyperparameters: under 1 KiB in all
+    adamw = rows["AdamW"]["state_ratio"]
+    assert 2.0 < adamw < 2.0 + scalars, adamw
+    muon = rows["Muon+AdamW"]["state_ratio"]
+    expected = (matrices + 2 * (n - matrices)) / n
+    assert expected < muon < expected + scalars, (muon, expected)
+    if "Prodigy" in rows:                             # m, v, s and the starting parameters
+        assert 4.0 < rows["Prodigy"]["state_ratio"] < 4.0 + scalars

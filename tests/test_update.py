@@ -470,3 +470,24 @@ def test_a_parameter_passed_as_its_own_gradient_with_donation():
     np.testing.assert_array_equal(m["a"], jnp.ones(4))
     _, new = optim.update(state, m, {"a": m["a"], "b": jnp.ones(3)})
     np.testing.assert_allclose(new["a"], 0.9)
+
+
+@pytest.mark.parametrize("rule", [
+    optim.Adam(1e-3), optim.ScheduleFreeAdamW(1e-3), optim.EMA(optim.AdamW(1e-3)),
+    optim.MixedPrecision(jnp.float32, optim.Adam(1e-3)),
+    optim.SkipNonFinite(optim.EMA(optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3)))),
+], ids=["Adam", "ScheduleFreeAdamW", "EMA", "MixedPrecision", "production stack"])
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
+def test_a_jitted_step_compiles_once_from_a_fresh_state(rule, donate, caplog):
+    # Rules whose init reads the parameter (EMA's copy, Schedule-Free's z) made their state committed to the
+    # device while jnp's model is not; the step's outputs were then all committed and the second call compiled
+    # again (a whole train step, twice).
+    model = {"w": jnp.ones((16, 8)), "b": jnp.ones((8,))}
+    grads = jax.tree.map(lambda a: 0.1 * a, model)
+    state = optim.setup(rule, model)
+    step = jax.jit(optim.update, donate_argnums=(0, 1) if donate else ())
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for _ in range(3):
+            state, model = step(state, model, grads)
+    compiles = [r for r in caplog.records if "Finished XLA compilation of jit(update)" in r.getMessage()]
+    assert len(compiles) == 1, [r.getMessage() for r in compiles]
