@@ -23,7 +23,8 @@ ALL = JAX_CANDIDATES + TORCH_CANDIDATES
 # Other rules, wrapped rules and their optax counterparts (jitted, donated): only when named, e.g.
 # `python -m bench --only medium --no-torch --candidates "optim jit adamw,optim jit skipnonfinite(adamw),optax"`.
 WRAPPED = ["optim jit adamw", "optim jit skipnonfinite(adamw)", "optim jit ema(adamw)", "optim jit adam bf16",
-           "optim jit nadam", "optax adamw", "optax apply_if_finite(adamw)", "optax adamw+ema"]
+           "optim jit nadam", "optim jit clip+adamw", "optim jit skipnonfinite(clip+adamw)", "optax adamw",
+           "optax apply_if_finite(adamw)", "optax adamw+ema", "optax clip+adamw", "optax apply_if_finite(clip+adamw)"]
 REFERENCE = "optax"
 
 
@@ -215,9 +216,11 @@ def _optim_rule(name: str):
     import optim
 
     adamw = optim.AdamW(LR, weight_decay=1e-4)
+    clipped = optim.chain(optim.ClipGlobalNorm(1.0), adamw)
     return {"adamw": adamw, "skipnonfinite(adamw)": optim.SkipNonFinite(adamw), "ema(adamw)": optim.EMA(adamw),
             "adam bf16": optim.Adam(LR, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
-            "nadam": optim.NAdam(LR)}[name]
+            "nadam": optim.NAdam(LR), "clip+adamw": clipped,
+            "skipnonfinite(clip+adamw)": optim.SkipNonFinite(clipped)}[name]
 
 
 class OptimJitRule(OptimJit):
@@ -236,8 +239,9 @@ class OptimJitRule(OptimJit):
 
 
 class OptaxRule(Optax):
-    """optax's counterparts of `WRAPPED`: adamw (weight decay 1e-4), `apply_if_finite(adamw)`, and adamw with an
-    EMA of the parameters (decay 0.999, no debiasing) in the same jitted step."""
+    """optax's counterparts of `WRAPPED`: adamw (weight decay 1e-4), `apply_if_finite(adamw)`, adamw with an
+    EMA of the parameters (decay 0.999, no debiasing) in the same jitted step, and `chain(clip_by_global_norm(1.0),
+    adamw)` alone and in `apply_if_finite`."""
 
     def __init__(self, wl, name: str):
         import jax
@@ -245,7 +249,9 @@ class OptaxRule(Optax):
 
         self.name = name
         tx = optax.adamw(LR, weight_decay=1e-4)
-        if name == "optax apply_if_finite(adamw)":
+        if "clip+" in name:
+            tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
+        if name.startswith("optax apply_if_finite("):
             tx = optax.apply_if_finite(tx, max_consecutive_errors=10**9)
         ema = optax.ema(0.999, debias=False) if name == "optax adamw+ema" else None
         self.params = unalias(_copy_tree(wl.model))

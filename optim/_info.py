@@ -73,6 +73,7 @@ def print_info(file: IO[str] | None = None) -> None:
         f"python: {sys.version.split()[0]} ({sys.executable})",
         f"platform: {platform.platform()}",
         f"OPTIM_FUSED: {os.environ.get('OPTIM_FUSED', '(unset)')}",
+        f"OPTIM_FUSED_ISA: {os.environ.get('OPTIM_FUSED_ISA', '(unset)')}",
         *_kernel(),
         *_devices(),
     ]

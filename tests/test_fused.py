@@ -146,6 +146,46 @@ def test_skipped_steps(name, dtype, mode, monkeypatch):
     assert [v for k, v in counts.items() if "'mat'" in k or "'emb'" in k] == [2, 2], counts
 
 
+@pytest.mark.parametrize("rule", [
+    optim.SkipNonFinite(optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1))),
+    optim.SkipNonFinite(optim.EMA(optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(0.01)), decay=0.9))],
+    ids=["SkipNonFinite(chain(ClipGlobalNorm, AdamW))", "SkipNonFinite(EMA(chain(ClipGlobalNorm, Adam)))"])
+def test_skip_reads_the_clip_norm(rule, monkeypatch):
+    """Around a chain that clips, SkipNonFinite's question is answered by the clip's norm: a finite norm means
+    finite gradients, and only an Inf or NaN norm runs the kernel's own check (inside a conditional, not on every
+    step). So a finite gradient whose square overflows (1e20: the norm is Inf) still steps, a NaN or an Inf is
+    still skipped, as on XLA's path."""
+    m = {"w": jnp.ones((300,)), "v": jnp.ones((4, 5))}
+    state = optim.setup(rule, m)
+    step = jax.jit(lambda s, m, g: optim.update(s, m, g))
+    text = step.lower(state, m, m).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    assert "optim_finite" in text and "optim_finite" not in entry.split("\n\n")[0], "the check runs every step"
+    assert "optim_fused" in text
+    steps = [{"w": jnp.full((300,), 0.1), "v": jnp.full((4, 5), -0.2)},
+             {"w": jnp.full((300,), 0.1).at[7].set(1e20), "v": jnp.full((4, 5), -0.2)},   # finite, norm Inf
+             {"w": jnp.full((300,), 0.1), "v": jnp.full((4, 5), -0.2).at[1, 2].set(jnp.nan)},
+             {"w": jnp.full((300,), 0.1).at[0].set(-jnp.inf), "v": jnp.full((4, 5), -0.2)}]
+
+    def run(fused):
+        monkeypatch.setattr(_fused, "ENABLED", fused)
+        st, mm, out = optim.setup(rule, m), m, []
+        f = jax.jit(lambda s, m, g: optim.update(s, m, g))
+        for g in steps:
+            st, mm = f(st, mm, g)
+            out.append((jax.tree.map(np.asarray, mm), optim.state_dict(st)))
+        return out
+
+    got, want = run(True), run(False)
+    for (a, sa), (b, sb) in zip(got, want):
+        assert_ulp(a, b)
+        assert_ulp(sa, sb)
+    assert not np.array_equal(got[1][0]["w"], got[0][0]["w"])     # the overflowing step was taken
+    for t in (2, 3):                                                # the NaN and the Inf steps were not
+        for a, b in zip(jax.tree.leaves(got[t][0]), jax.tree.leaves(got[t - 1][0])):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_finite_check():
     """`optim_finite`, SkipNonFinite's question: one Inf, -Inf or NaN anywhere, in float32 or bfloat16, in any
     thread's part of a large array, is found; finite extremes are finite."""
@@ -350,3 +390,65 @@ def test_in_place_and_beside_agree():
     for mode in ("donate", "jit"):
         for a, b in zip(jax.tree.leaves(run(mode)), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+_ISA_RUN = r"""
+import sys, numpy as np, jax, jax.numpy as jnp, optim
+from optim._engine import fused
+assert fused.AVAILABLE, fused.WHY
+rules = {
+    "adamw": optim.AdamW(0.01, weight_decay=0.1),
+    "adam bf16": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "nadam": optim.NAdam(0.01),
+    "lion": optim.Lion(0.01),
+    "ema(momentum)": optim.EMA(optim.Momentum(0.01, mu_dtype=jnp.bfloat16), decay=0.9),
+    "clip adamw scale": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1, couple=False),
+                                    optim.Scale(0.5)),
+}
+rng = np.random.default_rng(0)
+# Sizes that are not multiples of any vector width (the loops' tails), and gradients from 1e-22 to 1e3 (the
+# smallest square below float32's normal range).
+shapes = [(37,), (5, 41), (3, 999)]
+out = {}
+for name, rule in rules.items():
+    for dtype in (jnp.float32, jnp.bfloat16):
+        m = {f"p{i}": jnp.asarray(rng.standard_normal(s), dtype) for i, s in enumerate(shapes)}
+        state = optim.setup(rule, m)
+        step = jax.jit(lambda s, m, g: optim.update(s, m, g))
+        scale = {k: 10.0 ** rng.integers(-22, 4, v.shape) for k, v in m.items()}   # per element, every step
+        for t in range(4):
+            g = {k: jnp.asarray(rng.standard_normal(v.shape) * scale[k], dtype) for k, v in m.items()}
+            state, m = step(state, m, g)
+        leaves = jax.tree.leaves((m, optim.state_dict(state)))
+        for j, a in enumerate(leaves):
+            out[f"{name} {jnp.dtype(dtype).name} {j}"] = np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16
+                                                                     else a)
+np.savez(sys.argv[1], **out)
+print(fused.WHY)
+"""
+
+
+def test_instruction_set_builds_compute_the_same_bits(tmp_path):
+    """The kernel's element loops are compiled for the baseline x86-64, AVX2 and AVX-512 and the best the CPU has
+    runs (`OPTIM_FUSED_ISA` caps it): each build, on sizes with loop tails and gradients from 1e-22 to 1e3, gives
+    the same bits in every parameter and state array (no contracted multiply-add). Subnormals are flushed by all
+    alike: the kernel runs on XLA's CPU threads, which set flush-to-zero, as XLA's own loops see it."""
+    script = tmp_path / "run.py"
+    script.write_text(_ISA_RUN)
+    runs, names = {}, {}
+    for isa in ("baseline", "avx2", "avx512"):
+        env = dict(os.environ, OPTIM_FUSED_ISA=isa, JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / f"{isa}.npz")], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                                  os.path.abspath(__file__))))
+        assert done.returncode == 0, done.stderr[-3000:]
+        names[isa] = done.stdout.strip().rsplit(", ", 1)[-1]
+        runs[isa] = dict(np.load(tmp_path / f"{isa}.npz"))
+    assert names["baseline"] == "baseline x86-64 loops", names
+    ran = {n for n in names.values()}
+    assert len(ran) >= 2 or names["avx2"] == "baseline x86-64 loops", names   # a CPU without AVX2 has one build
+    base = runs["baseline"]
+    for isa in ("avx2", "avx512"):
+        assert runs[isa].keys() == base.keys()
+        for k in base:
+            np.testing.assert_array_equal(runs[isa][k], base[k], err_msg=f"{isa} {k}")

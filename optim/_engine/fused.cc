@@ -33,6 +33,7 @@
 #include <memory>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -72,28 +73,59 @@ struct Work {
 
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
-// The element loops, compiled twice: for the baseline x86-64 (SSE2) and, in the same library, for AVX2, chosen
-// when the library is loaded (`Pick`). Without AVX2 the bfloat16 conversions (32 -> 16 bits, and the rounding's
-// select) have no vector instruction and the loops with bfloat16 moments became compute-bound: measured on one
-// core over 16M elements, Adam with bfloat16 moments 42-48 ms vs 31 with float32 ones; with AVX2 21 vs 20. Only
-// `avx2` is enabled, not `fma`: no multiply-add is contracted, so both builds compute the same bits.
+// The element loops, compiled three times in the same library: for the baseline x86-64 (SSE2), for AVX2 and for
+// AVX-512 (F, BW, VL, DQ), the best the CPU has chosen at the first call (`Isa`). Without AVX2 the bfloat16
+// conversions (32 -> 16 bits, and the rounding's select) have no vector instruction and the loops with bfloat16
+// moments became compute-bound: measured on one core over 16M elements, Adam with bfloat16 moments 42-48 ms vs 31
+// with float32 ones; with AVX2 21 vs 20. AVX-512 has the 32 -> 16-bit narrowing in one instruction (vpmovdw):
+// Adam with bfloat16 moments over 100 x 160k, 0.84x the float32 step with AVX2, 0.75x with AVX-512 (bench/NOTES.md).
+// All builds compute the same bits: setup.py compiles with -ffp-contract=off (no multiply-add is contracted where
+// AVX-512 has FMA), and sqrt and division are correctly rounded in every instruction set (tests/test_fused.py runs
+// each build and compares).
 #define OPTIM_LOOPS_NAMESPACE base
 #include "fused_loops.inc"
 #undef OPTIM_LOOPS_NAMESPACE
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OPTIM_AVX2 1
+#define OPTIM_X86 1
 #pragma GCC push_options
 #pragma GCC target("avx2")
 #define OPTIM_LOOPS_NAMESPACE avx2
 #include "fused_loops.inc"
 #undef OPTIM_LOOPS_NAMESPACE
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#define OPTIM_LOOPS_NAMESPACE avx512
+#include "fused_loops.inc"
+#undef OPTIM_LOOPS_NAMESPACE
+#pragma GCC pop_options
 #endif
 
+// The build of the loops that runs: 0 baseline, 1 AVX2, 2 AVX-512; the best this CPU has, at most the one the
+// environment variable OPTIM_FUSED_ISA names (baseline, avx2 or avx512: the tests run each), read once.
+int Isa() {
+  static const int isa = [] {
+    int best = 0;
+#ifdef OPTIM_X86
+    if (__builtin_cpu_supports("avx2")) best = 1;
+    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      best = 2;
+#endif
+    const char* cap = std::getenv("OPTIM_FUSED_ISA");
+    if (cap != nullptr) {
+      const int want = std::strcmp(cap, "baseline") == 0 ? 0 : std::strcmp(cap, "avx2") == 0 ? 1 : 2;
+      best = std::min(best, want);
+    }
+    return best;
+  }();
+  return isa;
+}
+
 Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place, bool ema) {
-#ifdef OPTIM_AVX2
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
-  if (has_avx2) return avx2::Pick(kind, p, m1, m2, two, in_place, ema);
+#ifdef OPTIM_X86
+  if (Isa() == 2) return avx512::Pick(kind, p, m1, m2, two, in_place, ema);
+  if (Isa() == 1) return avx2::Pick(kind, p, m1, m2, two, in_place, ema);
 #endif
   return base::Pick(kind, p, m1, m2, two, in_place, ema);
 }
@@ -303,12 +335,13 @@ ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args
 // as a loop writing a bool per element and a reduction over them (measured: 29 ms over 16M gradients, where
 // reading them takes 4); this is one vectorised read, on the pool. An element is not finite when its exponent
 // bits are all ones (Inf, NaN).
-template <typename U, U kExp>
-bool FiniteRange(const void* data, int64_t lo, int64_t hi) {
-  const U* u = static_cast<const U*>(data);
-  U bad = 0;
-  for (int64_t i = lo; i < hi; ++i) bad |= U((u[i] & kExp) == kExp);
-  return bad == 0;
+// (`FiniteRange`, in fused_loops.inc: compiled per instruction set as the element loops are.)
+bool AllFinite(bool bf16, const void* data, int64_t lo, int64_t hi) {
+#ifdef OPTIM_X86
+  if (Isa() == 2) return avx512::FiniteRange(bf16, data, lo, hi);
+  if (Isa() == 1) return avx2::FiniteRange(bf16, data, lo, hi);
+#endif
+  return base::FiniteRange(bf16, data, lo, hi);
 }
 
 struct FiniteWork {
@@ -325,9 +358,7 @@ void FiniteSpan(FiniteWork& w, int64_t lo, int64_t hi) {
     const int64_t a = w.starts[j], b = a + w.sizes[j];
     if (b <= lo || a >= hi) continue;
     const int64_t from = std::max(lo, a) - a, to = std::min(hi, b) - a;
-    const bool fine = w.bf16[j] ? FiniteRange<uint16_t, 0x7f80>(w.data[j], from, to)
-                                : FiniteRange<uint32_t, 0x7f800000u>(w.data[j], from, to);
-    if (!fine) w.ok.store(false, std::memory_order_relaxed);
+    if (!AllFinite(w.bf16[j], w.data[j], from, to)) w.ok.store(false, std::memory_order_relaxed);
   }
 }
 
@@ -408,3 +439,6 @@ XLA_FFI_DEFINE_HANDLER(kOptimFinite, Finite,
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_finite(XLA_FFI_CallFrame* call_frame) {
   return kOptimFinite(call_frame);
 }
+
+// Which build of the element loops this process runs (see `Isa`), for optim.info().
+extern "C" __attribute__((visibility("default"))) int optim_isa() { return Isa(); }

@@ -7,7 +7,8 @@ is memory-bound, so three passes cost about twice what one does. `optim/_engine/
 custom call: per element it reads the parameter, its gradient and its state and writes the new ones in place
 (every state and parameter input is aliased to its output; with `donate=True`, or buffers XLA owns inside a
 jit, nothing is copied), split into chunks on XLA's intra-op thread pool. Its element loops are compiled for
-the baseline x86-64 and for AVX2 (chosen when loaded; without AVX2 bfloat16 moments are compute-bound).
+the baseline x86-64, for AVX2 and for AVX-512 (the best the CPU has; without AVX2 bfloat16 moments are
+compute-bound, and AVX-512 narrows float32 to bfloat16 in one instruction).
 
 It is one of the engine's strategies (`Kernel`, registered with optim._engine.strategies): `update` uses it for a rule
 whose own class declares one of those formulas (`Rule._formula`), alone or as a chain `[ClipGlobalNorm,] rule
@@ -57,7 +58,7 @@ from .._rules.protocol import Gated, apply_all, as_compute, eps_of, formula_of
 from .._rules.transforms import Scale
 from .strategies import Strategy, register
 from .._rules.wrappers import (OptimiserChain, SkipLargeUpdates, SkipLargeUpdatesState, SkipNonFinite,
-                               SkipNonFiniteState)
+                               SkipNonFiniteState, joint_norm)
 
 __all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls"]
 
@@ -190,7 +191,8 @@ class _Inside:
         return [None] * len(xs), [jnp.zeros((), jnp.float32)] * len(xs)
 
 
-def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums: list, packs: tuple):
+def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums: list, packs: tuple,
+           norm: jax.Array | None = None):
     """The gating wrappers' own code on the stepping members (`members`: `(stack, member, row)`) around a rule
     that has no state (`_Inside`): per member its flag (a bool array: the wrappers' flags together), and their
     new states, written as pack rows `[(group, leaf, rows of the pack, values)]` and, for a state leaf that is not
@@ -198,7 +200,8 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
 
     The wrappers see each stack's stepping rows as one entry when they only ask whether the gradients are finite
     (`SkipNonFinite`: a few operations per stack), else each member as an entry, a stack of one (a norm over
-    stacked gradients would copy them)."""
+    stacked gradients would copy them). `norm`: the joint norm of the same gradients where the chain clips them
+    (computed for its factor anyway)."""
     rule: Any = _Inside()
     for g in reversed(plan.gates):
         g = copy.copy(g)
@@ -214,8 +217,14 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
         # SkipNonFinite reads only whether the gradients are all finite: one pass of the kernel's over them all
         # (XLA:CPU writes a bool per element first: 7x the time of reading them), and each stack's gradients
         # given to the wrappers as a number that is finite where they all are.
-        flag = jax.ffi.ffi_call(_FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")(
-            *[d for i, m, _ in members for d in sums[i][m]])
+        def check():
+            return jax.ffi.ffi_call(_FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")(
+                *[d for i, m, _ in members for d in sums[i][m]])
+
+        # A finite norm (ClipGlobalNorm's, over the same gradients) means every gradient is finite: then no pass
+        # of its own. An Inf or NaN norm (a gradient that is not finite, or a finite one whose square overflows)
+        # asks the kernel's check, so the flag is exactly SkipNonFinite's.
+        flag = check() if norm is None else jax.lax.cond(jnp.isfinite(norm), lambda: jnp.float32(1), check)
         proxy = jnp.where(flag > 0, jnp.float32(0), jnp.float32(jnp.nan)).reshape(1)
         entries = [(i, [(m, r) for m, r in enumerate(rows[i])]) for i in range(len(rows)) if rows[i]]
         dxs = [tuple(proxy for _ in sums[i][0]) for i, _ in entries]
@@ -372,14 +381,16 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
     if sums is None:
         sums = [tuple((sum(g[1:], g[0]),) for g in member) for member in gs]
     members = [(i, m, r) for i in range(len(stored)) for m, r in enumerate(rows[i])]
-    scale = jnp.ones((), jnp.float32)
+    scale, norm = jnp.ones((), jnp.float32), None
     if plan.clip is not None:     # ClipGlobalNorm's factor over all these members, in float32 (see its `factor`)
-        scale = plan.clip.factor([sum(g[1:], g[0]) for member in gs for g in member]).astype(jnp.float32)
+        summed = [sum(g[1:], g[0]) for member in gs for g in member]
+        scale = plan.clip.factor(summed).astype(jnp.float32)
+        norm = joint_norm(summed)      # the factor's norm (XLA computes it once), for SkipNonFinite's question
     opened = [_open(plan, t) for t in stored]
     extras = [o[2] for o in opened]
     oks, pack_rows = {}, []
     if plan.gates:      # the wrappers' flags and new states, by their own code (see `_gates`)
-        flags, pack_rows, extras = _gates(plan, extras, rows, members, xs, sums, packs)
+        flags, pack_rows, extras = _gates(plan, extras, rows, members, xs, sums, packs, norm)
         oks = {(i, m): ok for (i, m, _), ok in zip(members, flags)}
     flat = [jax.tree_util.tree_flatten(o[0], is_leaf=is_packed) for o in opened]
     wides = [[a for a in leaves if not is_packed(a)] + ([o[1]] if plan.ema is not None else [])

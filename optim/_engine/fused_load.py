@@ -82,4 +82,16 @@ def load(folder: str = os.path.dirname(__file__)) -> tuple[bool, str]:
     except Exception as e:      # a broken file: the JAX path still works
         return False, f"optim's fused CPU kernel {path} could not be loaded: {e!r}"
     also = "" if was == jaxlib else f" (built against jaxlib {was}, runs under jaxlib {jaxlib})"
-    return True, f"optim's fused CPU kernel: {path}{also}"
+    return True, f"optim's fused CPU kernel: {path}{also}, {isa(lib)} loops"
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """Which build of the kernel's element loops runs in this process (the best the CPU has, at most the one the
+    environment variable `OPTIM_FUSED_ISA` names: baseline, avx2 or avx512)."""
+    try:
+        return _ISAS[lib.optim_isa()]
+    except (AttributeError, IndexError):
+        return "unknown"
+
+
+_ISAS = ("baseline x86-64", "AVX2", "AVX-512")
