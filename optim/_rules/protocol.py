@@ -30,7 +30,7 @@ from . import hyper as _hyper
 from .._core.tree import register_struct, struct_repr
 
 __all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of",
-           "sum_squares"]
+           "sum_squares", "gate_state", "skip_unless"]
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -293,6 +293,42 @@ def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]
     out = [jax.vmap(rule.apply)(s, x, *d) for s, x, d in zip(states, xs, dxs)]
     return [o[0] for o in out], [o[1] for o in out]
 
+
+
+def gate_state(new: Any, old: Any, ok: Any) -> Any:
+    """`new` where `ok` (no gate: `None`), else `old`, leaf by leaf: the state of a stage after a `Gated` step."""
+    return new if ok is None else jax.tree.map(lambda a, b: where_leading(ok, a, b), new, old)
+
+
+def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
+    """`apply_all(rule, states, xs, dxs)` where the scalar `ok` is true; else the states unchanged and steps that
+    the caller gates (`Gated(step, ok)`).
+
+    On CPU a conditional: selecting between the new state and the old one makes XLA:CPU keep the old state
+    alive past the loop that overwrites it in place, a copy of every state array per step (Adam: 3 copies per
+    parameter, 2.8x the bare step's time at 100 x 16k; with the conditional no copy, 1.6x: `bench/NOTES.md`). Elsewhere
+    branch-free selects, which XLA fuses into the rule's own loops there and which need no predicate on the
+    host (a GPU conditional reads it back every step). Under `vmap` (a batched `ok`) JAX turns the conditional
+    into the same selects."""
+    def run(states, xs, dxs):
+        new, steps = apply_all(rule, states, xs, dxs)
+        # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.
+        new = [n if jax.tree.structure(n) != jax.tree.structure(o) else
+               jax.tree.map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), n, o) for n, o in zip(new, states)]
+        return new, steps
+
+    def skip(states, xs, dxs):
+        shapes = jax.eval_shape(run, states, xs, dxs)[1]
+        return states, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def branch(states, xs, dxs):
+        return jax.lax.cond(ok, run, skip, states, xs, dxs)
+
+    def select(states, xs, dxs):
+        new, steps = run(states, xs, dxs)
+        return [gate_state(n, o, ok) for n, o in zip(new, states)], steps
+
+    return jax.lax.platform_dependent(states, xs, dxs, cpu=branch, default=select)
 
 def apply_one(rule: Any, state: Any, x: jax.Array, dxs: tuple) -> tuple[Any, Any]:
     """`rule.apply` for one parameter, in terms of `rule.apply_tree` (a stack of one): the `apply` of rules that

@@ -17,47 +17,11 @@ import jax.numpy as jnp
 
 from .._core.export import register_for_export
 from .schedules import Hyper
-from .protocol import (Gated, Replace, Rule, compute_dtype, where_leading, apply_all, apply_one, apply_step,
-                    average_of, clip_factor, is_rule, sum_squares, where)
+from .protocol import (Gated, Replace, Rule, compute_dtype, apply_all, apply_one, apply_step, average_of,
+                       clip_factor, gate_state, is_rule, skip_unless, sum_squares, where)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "SkipLargeUpdates", "joint_norm"]
-
-
-def _gate(new: Any, old: Any, ok: Any) -> Any:
-    """`new` where `ok` (no gate: `None`), else `old`, leaf by leaf: the state of a stage after a `Gated` step."""
-    return new if ok is None else jax.tree.map(lambda a, b: where_leading(ok, a, b), new, old)
-
-
-def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]:
-    """`apply_all(rule, states, xs, dxs)` where the scalar `ok` is true; else the states unchanged and steps that
-    the caller gates (`Gated(step, ok)`).
-
-    On CPU a conditional: selecting between the new state and the old one makes XLA:CPU keep the old state
-    alive past the loop that overwrites it in place, a copy of every state array per step (Adam: 3 copies per
-    parameter, 2.8x the bare step's time at 100 x 16k; with the conditional no copy, 1.6x: `bench/NOTES.md`). Elsewhere
-    branch-free selects, which XLA fuses into the rule's own loops there and which need no predicate on the
-    host (a GPU conditional reads it back every step). Under `vmap` (a batched `ok`) JAX turns the conditional
-    into the same selects."""
-    def run(states, xs, dxs):
-        new, steps = apply_all(rule, states, xs, dxs)
-        # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.
-        new = [n if jax.tree.structure(n) != jax.tree.structure(o) else
-               jax.tree.map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), n, o) for n, o in zip(new, states)]
-        return new, steps
-
-    def skip(states, xs, dxs):
-        shapes = jax.eval_shape(run, states, xs, dxs)[1]
-        return states, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def branch(states, xs, dxs):
-        return jax.lax.cond(ok, run, skip, states, xs, dxs)
-
-    def select(states, xs, dxs):
-        new, steps = run(states, xs, dxs)
-        return [_gate(n, o, ok) for n, o in zip(new, states)], steps
-
-    return jax.lax.platform_dependent(states, xs, dxs, cpu=branch, default=select)
 
 
 # ----------------------------------------------------------------------------------------------- composition
@@ -140,7 +104,7 @@ class OptimiserChain(Rule):
             got_states, got_steps = apply_all(rule, [states[i][k] for i in live], [xs[i] for i in live],
                                               [(steps[i], *dxs[i][1:]) for i in live])
             for i, st, step in zip(live, got_states, got_steps):
-                new[i][k] = _gate(st, states[i][k], oks[i])
+                new[i][k] = gate_state(st, states[i][k], oks[i])
                 if isinstance(step, Gated):
                     oks[i] = step.ok if oks[i] is None else oks[i] & step.ok
                     step = step.step
@@ -494,7 +458,7 @@ class SkipLargeUpdates(Rule):
         }
 
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
-        new = [SkipLargeUpdatesState(_gate(st, s[0], ok),
+        new = [SkipLargeUpdatesState(gate_state(st, s[0], ok),
                 {k: jnp.broadcast_to(v.astype(s[1][k].dtype), jnp.shape(s[1][k])) for k, v in new_stats.items()})
                for st, s in zip(inner, states)]
         return new, [None if st is None else Gated(st.step, st.ok & ok) if isinstance(st, Gated) else Gated(st, ok)
