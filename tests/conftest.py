@@ -73,17 +73,48 @@ def _start(script: str, out: _pathlib.Path) -> _subprocess.Popen:
                              stderr=_subprocess.PIPE, text=True)
 
 
+def _start_command(argv: list, env: dict, out: _pathlib.Path) -> _subprocess.Popen:
+    """`python *argv` from the repository root, `{out}` in `argv` replaced by the folder `out`."""
+    return _subprocess.Popen([_sys.executable, *[a.replace("{out}", str(out)) for a in argv]], cwd=_HERE.parent,
+                             env=dict(_os.environ, **env), stdout=_subprocess.PIPE, stderr=_subprocess.PIPE,
+                             text=True)
+
+
 def pytest_collection_finish(session):
     wanted = {_SCRIPTS[item.path.name] for item in session.items if item.path.name in _SCRIPTS}
     for script in sorted(wanted):
         out = _pathlib.Path(_tempfile.mkdtemp(prefix="optim-bg-")) / "cases.json"
         _BACKGROUND[script] = (_start(script, out), out)
+    # Commands a test module declares in `BACKGROUND_RUNS` (test name -> (argv, env)): subprocesses that only
+    # wait on their own work (the benchmarks' smoke runs), started now for the selected tests, beside the rest.
+    for item in session.items:
+        runs = getattr(getattr(item, "module", None), "BACKGROUND_RUNS", {})
+        if item.name in runs and item.name not in _BACKGROUND:
+            out = _pathlib.Path(_tempfile.mkdtemp(prefix="optim-bg-"))
+            _BACKGROUND[item.name] = (_start_command(*runs[item.name], out), out)
 
 
 def pytest_sessionfinish(session, exitstatus):
     for proc, _ in _BACKGROUND.values():     # a run nobody waited for (its tests deselected or failed early)
         if proc.poll() is None:
             proc.kill()
+
+
+def background_run(request, tmp: _pathlib.Path, timeout: float = 400) -> tuple:
+    """`(returncode, stdout, stderr, folder)` of the command the test's module declares for it in
+    `BACKGROUND_RUNS`: from the run started after collection, else from a run started now in `tmp`."""
+    name = request.node.name
+    proc, out = _BACKGROUND.pop(name, (None, None))
+    if proc is None:
+        out = tmp
+        proc = _start_command(*request.module.BACKGROUND_RUNS[name], out)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except _subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{name}: its command did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return proc.returncode, stdout, stderr, out
 
 
 def case_record(cases: dict, name: str) -> dict:

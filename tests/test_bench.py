@@ -1,36 +1,48 @@
 """The benchmark suite runs (quick mode: tiny sizes, seconds), so it cannot rot. Speed is never asserted here."""
 
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
+from conftest import background_run
+
 ROOT = Path(__file__).resolve().parents[1]
+STEP_CANDIDATES = ["optim", "optax"] + (["torch"] if importlib.util.find_spec("torch") else [])
+# The smoke runs start when collection ends and run beside the rest of the suite (tests/conftest.py): each is a
+# subprocess doing its own compiles, which would otherwise leave the second core idle (~2 minutes of make test).
+BACKGROUND_RUNS = {
+    "test_bench_quick_mode_runs": (["-m", "bench", "--quick", "--no-torch", "--out", "{out}/RESULTS.md"], {}),
+    "test_bench_rules_quick_mode_runs": (["-m", "bench.rules", "--quick", "--only", "adafactor", "--out",
+                                          "{out}/RULES.md"], {}),
+    "test_bench_step_quick_mode_runs": (["-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
+                                         ",".join(STEP_CANDIDATES), "--out", "{out}/RESULTS.md"], {}),
+    # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
+    "test_bench_choosing_runs": (["-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds", "1",
+                                  "--inner", "1", "--out", "{out}/CHOOSING.md"],
+                                 {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}),
+}
 
 
-def test_bench_quick_mode_runs(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--no-torch", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text()
+def test_bench_quick_mode_runs(request, tmp_path):
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    text = (folder / "RESULTS.md").read_text()
     for row in ("optim eager", "optim jit", "optax", "probe"):
         assert f"| {row} |" in text, row
-    assert (tmp_path / "RESULTS.json").exists()
+    assert (folder / "RESULTS.json").exists()
 
 
-def test_bench_step_quick_mode_runs(tmp_path):
+def test_bench_step_quick_mode_runs(request, tmp_path):
     """`python -m bench.step --quick` on the demo's tied char LM at a tiny size (gpt12 runs the same code with 12
     layers): optim's production stack, optax's and, when torch is installed, torch's each take full training
     steps, and their loss trajectories agree (the check the benchmark makes before timing). No timing asserts."""
-    import importlib.util
     import json
 
-    cands = ["optim", "optax"] + (["torch"] if importlib.util.find_spec("torch") else [])
-    out = tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, "-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
-                           ",".join(cands), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sec = json.loads((tmp_path / "STEP.json").read_text())["sections"]["char-lm"]
+    cands = STEP_CANDIDATES
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = folder / "RESULTS.md"
+    sec = json.loads((folder / "STEP.json").read_text())["sections"]["char-lm"]
     for c in cands:
         assert sec["rows"][c]["step_s"] > 0 and sec["first"][c]["first_s"] > 0, (c, sec["rows"][c])
     checks = {c["a"]: c for c in sec["raw"]["checks"]}
@@ -41,19 +53,17 @@ def test_bench_step_quick_mode_runs(tmp_path):
     assert "## Whole training step" in text and "| optim |" in text
 
 
-def test_bench_rules_quick_mode_runs(tmp_path):
+def test_bench_rules_quick_mode_runs(request, tmp_path):
     """`python -m bench.rules --quick` on one of its sections (Adafactor; the Muon, bfloat16 and 1000x16k sections
     run the same code on other rules and sizes and add ~13 s each): every row, with finite numbers, and the
     numerical check (optim against optax, 3 steps on an untied model) passed."""
     import json
     import math
 
-    out = tmp_path / "RULES.md"
-    proc = subprocess.run([sys.executable, "-m", "bench.rules", "--quick", "--only", "adafactor",
-                           "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "RULES.json").read_text())
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = folder / "RULES.md"
+    data = json.loads((folder / "RULES.json").read_text())
     assert set(data["sections"]) == {"adafactor"}
 
     def finite(v):
@@ -81,24 +91,19 @@ def test_bench_rules_quick_mode_runs(tmp_path):
     assert "| optim jit |" in text and "| optax |" in text
 
 
-def test_bench_choosing_runs(tmp_path):
+def test_bench_choosing_runs(request, tmp_path):
     """`python -m bench.choosing` (the docs' "Choosing an optimiser" table) at its `test` size for a few steps:
     every optimiser this optim has trains the demo LM (finite losses, lower at the end than at the start), and
     the state-bytes column matches a count made here from the shapes. No timing asserts."""
     import json
     import math
-    import os
 
     sys.path.insert(0, str(ROOT))
     from bench import choosing
 
-    out = tmp_path / "CHOOSING.md"
-    # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
-    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-    proc = subprocess.run([sys.executable, "-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds",
-                           "1", "--inner", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = folder / "CHOOSING.md"
     res = json.loads(out.with_suffix(".json").read_text())
     rows = res["rows"]
     assert list(rows) == choosing.available()
