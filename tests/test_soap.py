@@ -203,7 +203,7 @@ def test_same_shaped_matrices_are_one_stack_with_one_batched_eigh_and_qr_per_sid
     update has 2 eigh (L and R, each batched over the 12) and 2 QR, not 24."""
     model = _layers()
     state = optim.setup(optim.SOAP(), model)
-    assert sorted(len(s) for s in state.layout.stacks) == [5, 5]
+    assert sorted(len(s) for s in state.layout.stacks) == [12, 12]
     ops = _count(jax.make_jaxpr(optim.update)(state, model, model).jaxpr, collections.Counter())
     assert ops["eigh"] == 2 and ops["qr"] == 2, ops
     assert ops["cond"] == 2, ops      # the first-gradient eigh and the refresh, each skipped when no member needs it
