@@ -437,10 +437,12 @@ def test_instruction_set_builds_compute_the_same_bits(tmp_path):
     script.write_text(_ISA_RUN)
     runs, names = {}, {}
     for isa in ("baseline", "avx2", "avx512"):
-        env = dict(os.environ, OPTIM_FUSED_ISA=isa, JAX_PLATFORMS="cpu")
+        # The work tree's optim first on the path: `make test-min-jax` runs this suite where optim is not installed.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, OPTIM_FUSED_ISA=isa, JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
         done = subprocess.run([sys.executable, str(script), str(tmp_path / f"{isa}.npz")], env=env,
-                              capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
-                                  os.path.abspath(__file__))))
+                              capture_output=True, text=True, timeout=300, cwd=root)
         assert done.returncode == 0, done.stderr[-3000:]
         names[isa] = done.stdout.strip().rsplit(", ", 1)[-1]
         runs[isa] = dict(np.load(tmp_path / f"{isa}.npz"))
