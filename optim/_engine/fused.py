@@ -384,8 +384,8 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
     scale, norm = jnp.ones((), jnp.float32), None
     if plan.clip is not None:     # ClipGlobalNorm's factor over all these members, in float32 (see its `factor`)
         summed = [sum(g[1:], g[0]) for member in gs for g in member]
-        scale = plan.clip.factor(summed).astype(jnp.float32)
-        norm = joint_norm(summed)      # the factor's norm (XLA computes it once), for SkipNonFinite's question
+        norm = joint_norm(summed)      # also SkipNonFinite's answer where it is finite (see `_gates`)
+        scale = plan.clip.factor(summed, norm).astype(jnp.float32)
     opened = [_open(plan, t) for t in stored]
     extras = [o[2] for o in opened]
     oks, pack_rows = {}, []

@@ -286,12 +286,14 @@ class ClipGlobalNorm(Rule):
         f = self.factor(g)
         return list(states), [d * f.astype(compute_dtype(d)) for d in g]
 
-    def factor(self, dxs: list) -> jax.Array:
+    def factor(self, dxs: list, norm: jax.Array | None = None) -> jax.Array:
         """`min(ω / ‖g‖, 1)` over the gradients `dxs`: one factor for all of them, computed in float32 (or the
         widest compute dtype among them), so that a bfloat16 parameter does not round the factor that a float32
-        one is scaled by (a mixed-precision model's norms and matrices are clipped alike)."""
+        one is scaled by (a mixed-precision model's norms and matrices are clipped alike). `norm`: their
+        `joint_norm`, where the caller has it already."""
         dtype = functools.reduce(jnp.promote_types, [compute_dtype(d) for d in dxs], jnp.dtype(jnp.float32))
-        return clip_factor(jnp.asarray(self.max_norm, dtype), joint_norm(dxs).astype(dtype))
+        norm = joint_norm(dxs) if norm is None else norm
+        return clip_factor(jnp.asarray(self.max_norm, dtype), norm.astype(dtype))
 
 
 class SkipNonFinite(Rule):
