@@ -30,7 +30,7 @@ from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 KERNEL = "optim._engine._fused_kernel"
-RECORD = "_fused_kernel.json"   # beside the kernel: what it was built from (read by optim._engine.fused._load)
+RECORD = "_fused_kernel.json"   # beside the kernel: what it was built from (read by optim._engine.fused_load.load)
 
 
 def _ffi_headers() -> str | None:

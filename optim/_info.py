@@ -19,7 +19,7 @@ def _version(dist: str) -> str:
 
 def _kernel() -> list[str]:
     """The fused CPU kernel's lines: whether it is loaded and used, why not, what it was built against."""
-    from ._engine import fused
+    from ._engine import fused, fused_load
 
     if not fused.AVAILABLE:
         state = "not available (update runs the pure-JAX path)"
@@ -28,7 +28,7 @@ def _kernel() -> list[str]:
     else:
         state = "available, turned off (OPTIM_FUSED=0)"
     lines = [f"fused CPU kernel: {state}", f"  {fused.WHY}"]
-    record = os.path.join(os.path.dirname(fused.__file__), fused._RECORD)
+    record = os.path.join(os.path.dirname(fused.__file__), fused_load._RECORD)
     try:
         with open(record) as f:
             built = json.load(f)

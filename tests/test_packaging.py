@@ -273,7 +273,7 @@ print(json.dumps({"file": optim.__file__, "available": optim._engine.fused.AVAIL
 def test_a_kernel_built_against_another_jaxlib_runs_or_is_refused_with_a_debug_message(installed, tmp_path, jaxlib,
                                                                                           ffi_api, loads):
     """The build record beside the kernel (`_fused_kernel.json`, written by setup.py) names the jaxlib and the XLA
-    FFI API version it was compiled against; `optim._engine.fused._load` compares them with the running jaxlib's."""
+    FFI API version it was compiled against; `optim._engine.fused_load.load` compares them with the running jaxlib's."""
     python = installed / "bin" / "python"
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('platlib'))"]).strip())
     alt = tmp_path / "alt"
@@ -349,7 +349,7 @@ def test_a_kernel_built_before_is_rebuilt_when_its_source_or_jaxlib_changes(tmp_
 
 
 def test_the_kernels_refusal_rule():
-    from optim._engine.fused import _refusal
+    from optim._engine.fused_load import _refusal
 
     assert _refusal({"jaxlib": "0.10.0", "ffi_api": [0, 3]}, "0.10.2", (0, 3)) is None
     assert _refusal({"jaxlib": "0.8.0", "ffi_api": [0, 1]}, "0.10.2", (0, 3)) is None

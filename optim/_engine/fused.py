@@ -64,7 +64,6 @@ __all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls
 
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
-_TARGET, _FINITE = fused_load.TARGET, fused_load.FINITE
 _log = logging.getLogger("optim")
 
 # Kernel kinds (optim/_engine/fused.cc) and state arrays per member.
@@ -73,11 +72,7 @@ _WIDTH = 16               # scalars per member (optim/_engine/fused.cc)
 _ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
 
 
-_KERNEL, _RECORD = fused_load._KERNEL, fused_load._RECORD
-_ffi_api, _refusal, _load = fused_load._ffi_api, fused_load._refusal, fused_load.load   # as named before
-
-
-AVAILABLE, WHY = _load()
+AVAILABLE, WHY = fused_load.load()
 _log.debug("%s%s", WHY, "" if AVAILABLE else "; update runs the pure-JAX path")
 
 
@@ -215,16 +210,14 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
 
     if all(type(g) is SkipNonFinite for g in plan.gates):
         # SkipNonFinite reads only whether the gradients are all finite: one pass of the kernel's over them all
-        # (XLA:CPU writes a bool per element first: 7x the time of reading them), and each stack's gradients
-        # given to the wrappers as a number that is finite where they all are.
-        def check():
-            return jax.ffi.ffi_call(_FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")(
-                *[d for i, m, _ in members for d in sums[i][m]])
-
-        # A finite norm (ClipGlobalNorm's, over the same gradients) means every gradient is finite: then no pass
-        # of its own. An Inf or NaN norm (a gradient that is not finite, or a finite one whose square overflows)
-        # asks the kernel's check, so the flag is exactly SkipNonFinite's.
-        flag = check() if norm is None else jax.lax.cond(jnp.isfinite(norm), lambda: jnp.float32(1), check)
+        # (XLA:CPU writes a bool per element first: 7x the time of reading them), none where a clip's norm over
+        # them is finite (then so is every gradient; an Inf or NaN norm, from a gradient that is not finite or a
+        # finite one whose square overflows, asks the check: the flag is exactly SkipNonFinite's). Each stack's
+        # gradients are given to the wrappers as a number that is finite where they all are.
+        finite = jax.ffi.ffi_call(fused_load.FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")
+        grads = [d for i, m, _ in members for d in sums[i][m]]
+        flag = (finite(*grads) if norm is None else
+                jax.lax.cond(jnp.isfinite(norm), lambda: jnp.float32(1), lambda: finite(*grads)))
         proxy = jnp.where(flag > 0, jnp.float32(0), jnp.float32(jnp.nan)).reshape(1)
         entries = [(i, [(m, r) for m, r in enumerate(rows[i])]) for i in range(len(rows)) if rows[i]]
         dxs = [tuple(proxy for _ in sums[i][0]) for i, _ in entries]
@@ -500,7 +493,7 @@ def _call(kind: int, ema: bool, scalars: jax.Array, state: list, xs: list, gs: l
     alias = {1 + j: j for j in range(len(state) + len(xs))} if in_place else {}
     alias.update({1 + len(state) + len(xs) + n_grads + c: len(state) + len(xs) + c for c in range(len(ys))}
                  if in_place else {})
-    f = jax.ffi.ffi_call(_TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
+    f = jax.ffi.ffi_call(fused_load.TARGET, outs, input_output_aliases=alias, vmap_method="sequential")
     return f(scalars, *state, *xs, *[g for parts in gs for g in parts], *ys, kind=np.int64(kind),
              ema=np.int64(ema), sets=np.asarray(sets, np.int64), rows=np.asarray(rows, np.int64),
              parts=np.asarray([len(p) for p in gs], np.int64), mirrors=np.asarray([len(m) for m in ms], np.int64))
