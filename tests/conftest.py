@@ -108,13 +108,18 @@ def background_run(request, tmp: _pathlib.Path, timeout: float = 400) -> tuple:
     if proc is None:
         out = tmp
         proc = _start_command(*request.module.BACKGROUND_RUNS[name], out)
+    stdout, stderr = _wait(proc, timeout, f"{name}'s command")
+    return proc.returncode, stdout, stderr, out
+
+
+def _wait(proc: _subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
+    """`proc`'s stdout and stderr once it ends; killed, and the test failed, after `timeout` seconds."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     except _subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"{name}: its command did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    return proc.returncode, stdout, stderr, out
+        raise AssertionError(f"{what} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
 
 
 def case_record(cases: dict, name: str) -> dict:
@@ -132,11 +137,6 @@ def background_cases(script: str, tmp: _pathlib.Path, timeout: float = 300) -> d
     if proc is None:
         out = tmp / "cases.json"
         proc = _start(script, out)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except _subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    stdout, stderr = _wait(proc, timeout, script)
     assert proc.returncode == 0, f"{script} failed:\n{stdout}\n{stderr[-6000:]}"
     return _json.loads(out.read_text())
