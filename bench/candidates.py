@@ -7,6 +7,7 @@ consume their previous buffers, so each owns private copies of the parameters; t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Callable
 
@@ -24,7 +25,10 @@ ALL = JAX_CANDIDATES + TORCH_CANDIDATES
 # `python -m bench --only medium --no-torch --candidates "optim jit adamw,optim jit skipnonfinite(adamw),optax"`.
 WRAPPED = ["optim jit adamw", "optim jit skipnonfinite(adamw)", "optim jit ema(adamw)", "optim jit adam bf16",
            "optim jit nadam", "optim jit clip+adamw", "optim jit skipnonfinite(clip+adamw)", "optax adamw",
-           "optax apply_if_finite(adamw)", "optax adamw+ema", "optax clip+adamw", "optax apply_if_finite(clip+adamw)"]
+           "optax apply_if_finite(adamw)", "optax adamw+ema", "optax clip+adamw", "optax apply_if_finite(clip+adamw)",
+           # The rules the kernel runs since the third round, on the kernel and on XLA's path, and optax's.
+           *[f"{who} {rule}" for rule in ("adabelief", "rmsprop", "rmsprop centred")
+             for who in ("optim jit", "optim jit xla", "optax")]]
 REFERENCE = "optax"
 
 
@@ -220,35 +224,45 @@ def _optim_rule(name: str):
     return {"adamw": adamw, "skipnonfinite(adamw)": optim.SkipNonFinite(adamw), "ema(adamw)": optim.EMA(adamw),
             "adam bf16": optim.Adam(LR, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
             "nadam": optim.NAdam(LR), "clip+adamw": clipped,
-            "skipnonfinite(clip+adamw)": optim.SkipNonFinite(clipped)}[name]
+            "skipnonfinite(clip+adamw)": optim.SkipNonFinite(clipped), "adabelief": optim.AdaBelief(LR),
+            "rmsprop": optim.RMSProp(LR), "rmsprop centred": optim.RMSProp(LR, centred=True)}[name]
 
 
 class OptimJitRule(OptimJit):
-    """`optim jit` with another rule (`WRAPPED`)."""
+    """`optim jit` with another rule (`WRAPPED`); `optim jit xla <rule>`: with the kernel off."""
 
     def __init__(self, wl, name: str):
         import jax
         import optim
 
         self.name = name
+        self._xla = name.startswith("optim jit xla ")
         model = _copy_tree(wl.model)
-        state = optim.setup(_optim_rule(name[len("optim jit "):]), model)
+        with _no_kernel() if self._xla else contextlib.nullcontext():
+            state = optim.setup(_optim_rule(name[len("optim jit xla " if self._xla else "optim jit "):]), model)
         self.state, self.model = unalias((state, model))
         self._grads = wl.grads
         self._fn = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
 
+    def step(self):
+        with _no_kernel() if self._xla else contextlib.nullcontext():
+            super().step()
+
 
 class OptaxRule(Optax):
     """optax's counterparts of `WRAPPED`: adamw (weight decay 1e-4), `apply_if_finite(adamw)`, adamw with an
-    EMA of the parameters (decay 0.999, no debiasing) in the same jitted step, and `chain(clip_by_global_norm(1.0),
-    adamw)` alone and in `apply_if_finite`."""
+    EMA of the parameters (decay 0.999, no debiasing) in the same jitted step, `chain(clip_by_global_norm(1.0),
+    adamw)` alone and in `apply_if_finite`, and the rules optim's equal (their docstrings say so)."""
 
     def __init__(self, wl, name: str):
         import jax
         import optax
 
         self.name = name
-        tx = optax.adamw(LR, weight_decay=1e-4)
+        tx = {"optax adabelief": lambda: optax.adabelief(LR, eps=1e-16, eps_root=1e-16),
+              "optax rmsprop": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False),
+              "optax rmsprop centred": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False, centered=True),
+              }.get(name, lambda: optax.adamw(LR, weight_decay=1e-4))()
         if "clip+" in name:
             tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
         if name.startswith("optax apply_if_finite("):

@@ -52,6 +52,10 @@ RULES = {
     "AdamW": optim.AdamW(0.01, weight_decay=0.1),
     "AdamW decoupled": optim.AdamW(0.01, weight_decay=0.01, couple=False),
     "Adam bf16 moments": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "AdaBelief": optim.AdaBelief(0.01),
+    "AdaBelief bf16 moments": optim.AdaBelief(0.01, eps=1e-8, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "RMSProp": optim.RMSProp(0.01),
+    "RMSProp centred": optim.RMSProp(0.01, rho=0.8, eps=1e-6, centred=True),
     "Lion": optim.Lion(0.01),
     "Momentum": optim.Momentum(0.01, mu_dtype=jnp.bfloat16),
     "Descent": optim.Descent(0.1),
@@ -72,6 +76,9 @@ RULES = {
     "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))": optim.SkipNonFinite(optim.SkipLargeUpdates(
         optim.EMA(optim.Momentum(0.01), decay=optim.Linear(0.5, 0.9, 3)), sigma=0.5, warmup=1)),
     "EMA(Descent)": optim.EMA(optim.Descent(0.1), decay=0.7),
+    "SkipNonFinite(chain(ClipGlobalNorm, RMSProp centred))": optim.SkipNonFinite(optim.chain(
+        optim.ClipGlobalNorm(5.0), optim.RMSProp(0.01, centred=True))),
+    "EMA(AdaBelief)": optim.EMA(optim.AdaBelief(0.01), decay=0.9),
 }
 
 
@@ -324,7 +331,7 @@ def uses_kernel_on(rule, m, g) -> bool:
 
 
 def test_not_used_where_it_does_not_apply(monkeypatch):
-    assert not uses_kernel(optim.RMSProp(0.01))                                # another rule
+    assert not uses_kernel(optim.AdaGrad(0.01))                                # another rule
     assert not uses_kernel(optim.chain(optim.ClipNorm(1.0), optim.Adam(0.01)))     # another chain
     assert not uses_kernel(optim.chain(optim.Scale(0.5), optim.Adam(0.01)))       # a Scale before the rule
     assert not uses_kernel(optim.chain(optim.Adam(0.01), optim.Scale(0.5), optim.Scale(2.0)))
@@ -367,7 +374,7 @@ def test_large_parameters_of_kernel_rules_are_stacked(monkeypatch):
     every step). Other rules, and the kernel turned off, keep large parameters alone."""
     m = {f"w{i}": jnp.full((128, 128), float(i)) for i in range(100)}
     assert [len(g) for g in optim.setup(optim.AdamW(0.1), m).layout.stacks] == [64, 36]
-    assert len(optim.setup(optim.RMSProp(0.1), m).layout.stacks) == 100
+    assert len(optim.setup(optim.AdaGrad(0.1), m).layout.stacks) == 100
     split = optim.adjust(optim.setup(optim.Adam(0.1), m), "w1", lr=0.5)     # w1's own rule: adjust restacks
     assert sorted(len(g) for g in split.layout.stacks) == [1, 35, 64]
     monkeypatch.setattr(_fused, "ENABLED", False)
@@ -400,6 +407,8 @@ rules = {
     "adamw": optim.AdamW(0.01, weight_decay=0.1),
     "adam bf16": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     "nadam": optim.NAdam(0.01),
+    "adabelief bf16": optim.AdaBelief(0.01, mu_dtype=jnp.bfloat16),
+    "rmsprop centred": optim.RMSProp(0.01, centred=True),
     "lion": optim.Lion(0.01),
     "ema(momentum)": optim.EMA(optim.Momentum(0.01, mu_dtype=jnp.bfloat16), decay=0.9),
     "clip adamw scale": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1, couple=False),

@@ -35,7 +35,7 @@ def test_kernel_runs_rules_by_their_declared_formula_not_their_class():
 
 
 @pytest.mark.parametrize("rule, reason", [
-    (optim.SkipNonFinite(optim.RMSProp(0.01)), "it has no kernel for this rule"),
+    (optim.SkipNonFinite(optim.AdaGrad(0.01)), "it has no kernel for this rule"),
     (optim.chain(optim.AccumGrad(2), optim.Adam(0.01)), "it has no kernel for this rule"),
 ])
 def test_a_rule_the_kernel_does_not_run_is_logged(rule, reason, caplog):
@@ -80,7 +80,7 @@ def test_a_step_that_cannot_be_hoisted_is_logged(caplog):
 
 
 def test_wide_rules_are_those_a_strategy_keeps_stacked(monkeypatch):
-    rules = (optim.Adam(), optim.RMSProp(), optim.chain(optim.ClipGlobalNorm(1.0), optim.Lion()))
+    rules = (optim.Adam(), optim.AdaGrad(), optim.chain(optim.ClipGlobalNorm(1.0), optim.Lion()))
     assert _strategies.wide_rules(rules) == frozenset({0, 2})
     monkeypatch.setattr(_fused, "ENABLED", False)
     assert _strategies.wide_rules(rules) == frozenset()

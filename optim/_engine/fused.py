@@ -1,5 +1,5 @@
-"""The fused CPU step: Adam, AdamW, NAdam, Lion, Momentum and Descent in one pass over each parameter, also
-wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm and before a Scale.
+"""The fused CPU step: Adam, AdamW, NAdam, AdaBelief, RMSProp, Lion, Momentum and Descent in one pass over each
+parameter, also wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm and before a Scale.
 
 XLA:CPU compiles Adam's update into three loops over each parameter (the first moment, the second, then the
 step, which re-reads both), and cannot fuse them into one (there is no multi-output loop fusion on CPU). The step
@@ -24,13 +24,13 @@ The gating wrappers run their own code (`apply_tree`) around a stand-in rule wit
 gives their flag and their own states (counters, norm statistics) exactly as XLA's path computes them. A member
 whose flag is false is not touched by the kernel (in place nothing is written; beside, its old values are
 copied) and its packed bias-correction powers keep their values. SkipNonFinite's question, whether all the
-rule's gradients are finite, is a second custom call of the same library (`optim_finite`: XLA:CPU writes a bool
-per element before reducing them, 7x the time of reading the gradients). An EMA's average is one more stream
-read and written in the same pass. bfloat16 moments: the step is computed from the new float32 moments before
-they are rounded for storage, as XLA's path does (`optim._rules.adam.Adam` has the measurement).
+rule's gradients are finite, is the clip's norm where a chain has one and it is finite, else a second custom call
+of the same library (`optim_finite`: XLA:CPU writes a bool per element before reducing them, 7x the time of
+reading the gradients). An EMA's average is one more stream in the same pass. bfloat16 moments: the step is
+computed from the new float32 moments before they are rounded for storage, as XLA's path does.
 
-CPU only, chosen at lowering (optim._engine.kernel_choice): a program lowered for GPU or TPU, or exported, runs XLA's
-path (which fuses there) and only a CPU lowering runs the kernel.
+CPU only, chosen at lowering (optim._engine.kernel_choice): a program lowered for GPU or TPU, or exported, runs
+XLA's path (which fuses there) and only a CPU lowering runs the kernel.
 
 The kernel is compiled at install (`setup.py`) and optional: without it (no compiler at install), or with the
 environment variable `OPTIM_FUSED=0` (read at import; `optim._engine.fused.ENABLED` can also be set), `update` runs
@@ -65,11 +65,11 @@ __all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
 _log = logging.getLogger("optim")
-
 # Kernel kinds (optim/_engine/fused.cc) and state arrays per member.
-_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM = range(7)
+_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED = range(10)
 _WIDTH = 16               # scalars per member (optim/_engine/fused.cc)
-_ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
+_ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
+_ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, **dict.fromkeys(_ADAMS, 2)}
 
 
 AVAILABLE, WHY = fused_load.load()
@@ -95,13 +95,14 @@ _ONLY_CPU: bool | None = None
 
 def _kind(rule: Any) -> int | None:
     """The kernel's kind for `rule`'s formula (see `Rule._formula`), or None where the kernel has none."""
-    formula = formula_of(rule)
-    if formula == "adamw":
-        return _ADAMW_COUPLED if rule.couple else _ADAMW
-    return _KINDS.get(formula)
+    kind = _KINDS.get(formula_of(rule))
+    return kind if not isinstance(kind, tuple) else kind[1] if getattr(rule, kind[2]) else kind[0]
 
 
-_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM}
+# Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
+_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
+          "adabelief": _ADABELIEF, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
+          "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred")}
 # The wrappers that gate the whole step on a flag computed across the parameters, and their states' types.
 _GATES = {SkipNonFinite: SkipNonFiniteState, SkipLargeUpdates: SkipLargeUpdatesState}
 
@@ -308,10 +309,8 @@ class Kernel(Strategy):
                 return "a state of another structure"
             leaves = jax.tree_util.tree_flatten(core, is_leaf=is_packed)[0]
             wide = [a for a in leaves if not is_packed(a)]
-            if kind in _ADAMS:
-                if len(leaves) != 3 or not is_packed(leaves[2]) or len(wide) != 2:
-                    return "a state of another structure"
-            elif len(wide) != (0 if kind == _DESCENT else 1) or len(leaves) != len(wide):
+            # Its arrays, then (the Adam family) the packed powers (β₁ᵗ, β₂ᵗ).
+            if len(wide) != _ARRAYS[kind] or [is_packed(a) for a in leaves[len(wide):]] != [True] * (kind in _ADAMS):
                 return "a state of another structure"
             if plan.ema is not None:
                 if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
@@ -446,6 +445,8 @@ def _scalars(kind: int, plan: _Plan, x: jax.Array, call: list, flat: list, packs
         row = [lr, as_compute(rule.rho, x)]
     elif kind == _LION:
         row = [lr, as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)]
+    elif kind in (_RMSPROP, _RMSPROP_CENTRED):
+        row = [lr, as_compute(rule.rho, x), zero, eps_of(rule.eps, x)]
     else:
         b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
         wd = as_compute(rule.weight_decay, x) if kind in (_ADAMW, _ADAMW_COUPLED) else zero

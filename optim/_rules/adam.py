@@ -446,6 +446,7 @@ class AdaBelief(StateDtypes, Rule):
     Array([0.8889, 2.1111], dtype=float32)
     """
 
+    _formula = "adabelief"
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-16

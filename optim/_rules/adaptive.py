@@ -59,6 +59,7 @@ class RMSProp(Rule):
     Array([0.6838, 2.3162], dtype=float32)
     """
 
+    _formula = "rmsprop"
     lr: Hyper = 0.001
     rho: Hyper = 0.9
     eps: Hyper = 1e-8
