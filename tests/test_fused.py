@@ -54,6 +54,8 @@ RULES = {
     "Adam bf16 moments": optim.Adam(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     "AdaBelief": optim.AdaBelief(0.01),
     "AdaBelief bf16 moments": optim.AdaBelief(0.01, eps=1e-8, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "AMSGrad": optim.AMSGrad(0.01),
+    "AMSGrad bf16 moments": optim.AMSGrad(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     "RMSProp": optim.RMSProp(0.01),
     "RMSProp centred": optim.RMSProp(0.01, rho=0.8, eps=1e-6, centred=True),
     "Lion": optim.Lion(0.01),
@@ -79,6 +81,7 @@ RULES = {
     "SkipNonFinite(chain(ClipGlobalNorm, RMSProp centred))": optim.SkipNonFinite(optim.chain(
         optim.ClipGlobalNorm(5.0), optim.RMSProp(0.01, centred=True))),
     "EMA(AdaBelief)": optim.EMA(optim.AdaBelief(0.01), decay=0.9),
+    "SkipNonFinite(EMA(AMSGrad))": optim.SkipNonFinite(optim.EMA(optim.AMSGrad(0.01), decay=0.9)),
 }
 
 
@@ -118,7 +121,7 @@ def nan_at(t, m):
 @pytest.mark.parametrize("mode", ["eager", "donate", "jit"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["SkipNonFinite(AdamW)", "EMA(SkipNonFinite(chain(ClipGlobalNorm, Lion, Scale)))",
-                                  "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))"])
+                                  "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))", "SkipNonFinite(EMA(AMSGrad))"])
 def test_skipped_steps(name, dtype, mode, monkeypatch):
     """A step with a NaN or an Inf gradient anywhere is skipped by the kernel as by XLA's path: every parameter,
     tie and state (moments, powers, averages) keeps its value, and the skipped steps are counted, whether the
@@ -142,7 +145,10 @@ def test_skipped_steps(name, dtype, mode, monkeypatch):
     assert uses_kernel(rule, dtype)
     for (m, st), (wm, wst) in zip(got, want):
         assert_ulp(m, wm, ulps=2 if dtype == jnp.bfloat16 else 4)
-        assert_ulp(st, wst)          # the counters exactly
+        # The counters exactly. The gradients are functions of the parameter (cos(a (t + 1))), so by the fifth
+        # step a parameter's few-ulp difference (contracted multiply-adds) reaches the moments 5x: measured 5.5
+        # ulp of AMSGrad's m.
+        assert_ulp(st, wst, ulps=8 if "AMSGrad" in name else 4)
     for t in (1, 3):       # the skipped steps change no parameter and no floating state, bitwise
         for a, b in zip(jax.tree.leaves(got[t]), jax.tree.leaves(got[t - 1]), strict=True):
             if jnp.issubdtype(a.dtype, jnp.floating):
@@ -409,6 +415,7 @@ rules = {
     "nadam": optim.NAdam(0.01),
     "adabelief bf16": optim.AdaBelief(0.01, mu_dtype=jnp.bfloat16),
     "rmsprop centred": optim.RMSProp(0.01, centred=True),
+    "amsgrad bf16 nu": optim.AMSGrad(0.01, nu_dtype=jnp.bfloat16),
     "lion": optim.Lion(0.01),
     "ema(momentum)": optim.EMA(optim.Momentum(0.01, mu_dtype=jnp.bfloat16), decay=0.9),
     "clip adamw scale": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1, couple=False),

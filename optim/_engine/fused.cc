@@ -9,13 +9,14 @@
 // Operands: `scalars` (members, 16) float32, one row per member:
 //   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, ...] where
 //   Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t); NAdam: c1 = b1/(1 - b1 b1^t), k2 = (1 - b1)/(1 - b1^t),
-//   c2 = b2/(1 - b2^t); AdaBelief as Adam (wd 0); RMSProp (plain, centred): lr, rho (in b1), eps; Lion: lr, b1,
-//   b2; Momentum: lr, rho (in b1); Descent: lr;
+//   c2 = b2/(1 - b2^t); AdaBelief as Adam (wd 0); AMSGrad: lr, b1, b2, eps; RMSProp (plain, centred): lr, rho
+//   (in b1), eps; Lion: lr, b1, b2; Momentum: lr, rho (in b1); Descent: lr;
 //   gs scales the gradient (a chain's ClipGlobalNorm factor, else 1), f the step (a chain's last `Scale`, else 1),
 //   d is the decay of an EMA of the new parameter (attribute `ema`), ok = 0 skips the member (SkipNonFinite,
 //   SkipLargeUpdates: its parameter and state keep their values, and in place nothing is written);
-// then B sets of state stacks (Adam, NAdam: m, v; AdaBelief: m, s; RMSProp: q, centred also l; Lion: m;
-// Momentum: v; Descent: none; then, with `ema`, the float32 average), each stack (its size, n);
+// then B sets of state stacks (Adam, NAdam: m, v; AdaBelief: m, s; AMSGrad: m, v, its running maximum (of v's
+// dtype); RMSProp: q, centred also l; Lion: m; Momentum: v; Descent: none; then, with `ema`, the float32
+// average), each stack (its size, n);
 // then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
 // arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
 // writing the sum and reading it back), then per member `mirrors[r]` arrays of n elements (the model's other
@@ -46,13 +47,14 @@ namespace {
 
 enum Kind : int64_t {
   kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5, kNAdam = 6,
-  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9
+  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10
 };
-constexpr int64_t kLastKind = kRMSPropCentred;
+constexpr int64_t kLastKind = kAMSGrad;
 constexpr int64_t kWidth = 16;   // scalars per member
 
 constexpr int StateCount(int64_t kind) {
   switch (kind) {
+    case kAMSGrad: return 3;
     case kAdam: case kAdamWCoupled: case kAdamWDecoupled: case kNAdam: case kAdaBelief: case kRMSPropCentred:
       return 2;
     case kLion: case kMomentum: case kRMSProp: return 1;
@@ -194,14 +196,15 @@ const char* Read(Work& w, bool bf16[3], std::vector<int64_t>& set_rows, Scalars 
   for (int64_t j = 0; j < nstate; ++j) {
     auto in = args.get<ffi::AnyBuffer>(j);
     auto out = rets.get<ffi::AnyBuffer>(j);
-    const int64_t c = j % ns;
+    const int64_t c = j % ns;      // a third state array has the second's dtype
     if (!in.has_value() || !out.has_value() || !IsFloat(in->element_type()) ||
         (c >= own && in->element_type() != ffi::DataType::F32) ||
-        (c < own && j >= ns && (in->element_type() == ffi::DataType::BF16) != bf16[1 + c]))
+        (c < own && (j >= ns || c > 1) &&
+         (in->element_type() == ffi::DataType::BF16) != bf16[1 + std::min<int64_t>(c, 1)]))
       return "optim_fused: state stacks must be float32 or bfloat16, alike across sets (an EMA's float32)";
     w.state_in.push_back(in->untyped_data());
     w.state_out.push_back((*out)->untyped_data());
-    if (j < own) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
+    if (j < own && j < 2) bf16[1 + j] = in->element_type() == ffi::DataType::BF16;
     auto d = in->dimensions();
     set_rows.push_back(d.size() == 0 ? 1 : d[0]);
   }

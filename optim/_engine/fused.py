@@ -1,5 +1,6 @@
-"""The fused CPU step: Adam, AdamW, NAdam, AdaBelief, RMSProp, Lion, Momentum and Descent in one pass over each
-parameter, also wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm and before a Scale.
+"""The fused CPU step: Adam, AdamW, NAdam, AdaBelief, AMSGrad, RMSProp, Lion, Momentum and Descent in one pass
+over each parameter, also wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm
+and before a Scale.
 
 XLA:CPU compiles Adam's update into three loops over each parameter (the first moment, the second, then the
 step, which re-reads both), and cannot fuse them into one (there is no multi-output loop fusion on CPU). The step
@@ -66,10 +67,12 @@ ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
 _log = logging.getLogger("optim")
 # Kernel kinds (optim/_engine/fused.cc) and state arrays per member.
-_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED = range(10)
+_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD = \
+    range(11)
 _WIDTH = 16               # scalars per member (optim/_engine/fused.cc)
 _ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
-_ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, **dict.fromkeys(_ADAMS, 2)}
+_ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _AMSGRAD: 3,
+           **dict.fromkeys(_ADAMS, 2)}     # (AMSGrad's third array has the second's dtype)
 
 
 AVAILABLE, WHY = fused_load.load()
@@ -101,7 +104,7 @@ def _kind(rule: Any) -> int | None:
 
 # Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
 _KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
-          "adabelief": _ADABELIEF, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
+          "adabelief": _ADABELIEF, "amsgrad": _AMSGRAD, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
           "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred")}
 # The wrappers that gate the whole step on a flag computed across the parameters, and their states' types.
 _GATES = {SkipNonFinite: SkipNonFiniteState, SkipLargeUpdates: SkipLargeUpdatesState}
@@ -317,7 +320,8 @@ class Kernel(Strategy):
                     return "an EMA average that is not a float32 array"
                 wide = wide + [avg]
             for a in wide:
-                if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS:
+                if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or (
+                        kind == _AMSGRAD and a is wide[2] and a.dtype != wide[1].dtype):
                     return "a state array of another shape or dtype"
                 if traced_sharded(a):
                     return "a sharded state array"
@@ -437,49 +441,42 @@ def _scalars(kind: int, plan: _Plan, x: jax.Array, call: list, flat: list, packs
     d = jnp.asarray(plan.ema.decay, jnp.float32) if plan.ema is not None else zero
     tail = [scale, f.astype(jnp.float32), d]
     flags = jnp.ones((k, 1), jnp.float32) if ok is None else ok.astype(jnp.float32)[:, None]
-    writes: list = []
-    k2 = zero
-    if kind == _DESCENT:
-        row = [lr]
-    elif kind == _MOMENTUM:
-        row = [lr, as_compute(rule.rho, x)]
-    elif kind == _LION:
-        row = [lr, as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)]
-    elif kind in (_RMSPROP, _RMSPROP_CENTRED):
-        row = [lr, as_compute(rule.rho, x), zero, eps_of(rule.eps, x)]
-    else:
-        b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
-        wd = as_compute(rule.weight_decay, x) if kind in (_ADAMW, _ADAMW_COUPLED) else zero
-        # This call's members' powers (β₁ᵗ, β₂ᵗ): their rows of the packs, read per pack group, in call order.
-        bts, runs, at = [], [], 0
-        for i, _, r in call:
-            p = flat[i][0][2]
-            key = (p.group, p.leaf)
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append(p.start + r)
-            else:
-                runs.append((key, [p.start + r]))
-        for (g, leaf), rows in runs:
-            bt = packs[g][leaf][row_index(tuple(rows))]
-            bts.append(bt)
-            new = bt * jnp.stack([b1, b2]).astype(bt.dtype)
-            if ok is not None:     # a skipped step keeps the powers (as the wrappers gate the whole state)
-                new = jnp.where(ok[at:at + len(rows), None], new, bt)
-            at += len(rows)
-            writes.append((g, leaf, tuple(rows), new))
-        bt = (bts[0] if len(bts) == 1 else jnp.concatenate(bts)).astype(jnp.float32)
-        if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
-            c = jnp.stack([b1 / (1 - b1 * bt[:, 0]), b2 / (1 - bt[:, 1])], axis=1)
-            k2 = (1 - b1) / (1 - bt[:, 0])
+    if kind not in _ADAMS:       # [lr, b1, b2, eps] as far as the rule has them (ρ is b1)
+        b = [rule.rho, 0.0] if hasattr(rule, "rho") else list(getattr(rule, "beta", ()))
+        row = [lr, *(as_compute(v, x) for v in b)] + ([eps_of(rule.eps, x)] if hasattr(rule, "eps") else [])
+        row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + tail)
+        return jnp.concatenate([jnp.broadcast_to(row, (k, 10)), flags, jnp.zeros((k, 5), jnp.float32)], axis=1), []
+    b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
+    wd = as_compute(rule.weight_decay, x) if kind in (_ADAMW, _ADAMW_COUPLED) else zero
+    # This call's members' powers (β₁ᵗ, β₂ᵗ): their rows of the packs, read per pack group, in call order.
+    bts, runs, writes, at = [], [], [], 0
+    for i, _, r in call:
+        p = flat[i][0][2]
+        key = (p.group, p.leaf)
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(p.start + r)
         else:
-            c = 1 / (1 - bt)
-        head = jnp.broadcast_to(jnp.stack([lr, b1, b2, eps_of(rule.eps, x)]).astype(jnp.float32), (k, 4))
-        mid = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32)] + tail), (k, 4))
-        k2 = jnp.broadcast_to(jnp.asarray(k2, jnp.float32), (k,))[:, None]
-        return jnp.concatenate([head, c.astype(jnp.float32), mid, flags, k2, jnp.zeros((k, 4), jnp.float32)],
-                               axis=1), writes
-    row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + tail)
-    return jnp.concatenate([jnp.broadcast_to(row, (k, 10)), flags, jnp.zeros((k, 5), jnp.float32)], axis=1), writes
+            runs.append((key, [p.start + r]))
+    for (g, leaf), rows in runs:
+        bt = packs[g][leaf][row_index(tuple(rows))]
+        bts.append(bt)
+        new = bt * jnp.stack([b1, b2]).astype(bt.dtype)
+        if ok is not None:     # a skipped step keeps the powers (as the wrappers gate the whole state)
+            new = jnp.where(ok[at:at + len(rows), None], new, bt)
+        at += len(rows)
+        writes.append((g, leaf, tuple(rows), new))
+    bt = (bts[0] if len(bts) == 1 else jnp.concatenate(bts)).astype(jnp.float32)
+    k2 = zero
+    if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
+        c = jnp.stack([b1 / (1 - b1 * bt[:, 0]), b2 / (1 - bt[:, 1])], axis=1)
+        k2 = (1 - b1) / (1 - bt[:, 0])
+    else:
+        c = 1 / (1 - bt)
+    head = jnp.broadcast_to(jnp.stack([lr, b1, b2, eps_of(rule.eps, x)]).astype(jnp.float32), (k, 4))
+    mid = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32)] + tail), (k, 4))
+    k2 = jnp.broadcast_to(jnp.asarray(k2, jnp.float32), (k,))[:, None]
+    return jnp.concatenate([head, c.astype(jnp.float32), mid, flags, k2, jnp.zeros((k, 4), jnp.float32)],
+                           axis=1), writes
 
 
 def _call(kind: int, ema: bool, scalars: jax.Array, state: list, xs: list, gs: list, ms: list, sets: list,

@@ -289,6 +289,7 @@ class AMSGrad(StateDtypes, Rule):
     Array([0.6838, 2.3162], dtype=float32)
     """
 
+    _formula = "amsgrad"
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8
