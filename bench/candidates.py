@@ -27,7 +27,7 @@ WRAPPED = ["optim jit adamw", "optim jit skipnonfinite(adamw)", "optim jit ema(a
            "optim jit nadam", "optim jit clip+adamw", "optim jit skipnonfinite(clip+adamw)", "optax adamw",
            "optax apply_if_finite(adamw)", "optax adamw+ema", "optax clip+adamw", "optax apply_if_finite(clip+adamw)",
            # The rules the kernel runs since the third round, on the kernel and on XLA's path, and optax's.
-           *[f"{who} {rule}" for rule in ("adabelief", "amsgrad", "rmsprop", "rmsprop centred")
+           *[f"{who} {rule}" for rule in ("adabelief", "amsgrad", "radam", "adopt", "rmsprop", "rmsprop centred")
              for who in ("optim jit", "optim jit xla", "optax")]]
 REFERENCE = "optax"
 
@@ -225,7 +225,7 @@ def _optim_rule(name: str):
             "adam bf16": optim.Adam(LR, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
             "nadam": optim.NAdam(LR), "clip+adamw": clipped,
             "skipnonfinite(clip+adamw)": optim.SkipNonFinite(clipped), "adabelief": optim.AdaBelief(LR),
-            "amsgrad": optim.AMSGrad(LR),
+            "amsgrad": optim.AMSGrad(LR), "radam": optim.RAdam(LR), "adopt": optim.ADOPT(LR),
             "rmsprop": optim.RMSProp(LR), "rmsprop centred": optim.RMSProp(LR, centred=True)}[name]
 
 
@@ -262,6 +262,7 @@ class OptaxRule(Optax):
         self.name = name
         tx = {"optax adabelief": lambda: optax.adabelief(LR, eps=1e-16, eps_root=1e-16),
               "optax amsgrad": lambda: optax.amsgrad(LR, bias_correction_mu=False, bias_correction_nu=False),
+              "optax radam": lambda: optax.radam(LR, threshold=4.0), "optax adopt": lambda: optax.contrib.adopt(LR),
               "optax rmsprop": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False),
               "optax rmsprop centred": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False, centered=True),
               }.get(name, lambda: optax.adamw(LR, weight_decay=1e-4))()

@@ -56,6 +56,10 @@ RULES = {
     "AdaBelief bf16 moments": optim.AdaBelief(0.01, eps=1e-8, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     "AMSGrad": optim.AMSGrad(0.01),
     "AMSGrad bf16 moments": optim.AMSGrad(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "RAdam": optim.RAdam(0.01),
+    # The first step only sets v; then clipped at t^¼ (or not), plain or Nesterov.
+    "ADOPT": optim.ADOPT(0.01),
+    "ADOPT nesterov, unclipped": optim.ADOPT(0.01, beta=(0.9, 0.99), nesterov=True, use_clipping=False),
     "RMSProp": optim.RMSProp(0.01),
     "RMSProp centred": optim.RMSProp(0.01, rho=0.8, eps=1e-6, centred=True),
     "Lion": optim.Lion(0.01),
@@ -82,6 +86,8 @@ RULES = {
         optim.ClipGlobalNorm(5.0), optim.RMSProp(0.01, centred=True))),
     "EMA(AdaBelief)": optim.EMA(optim.AdaBelief(0.01), decay=0.9),
     "SkipNonFinite(EMA(AMSGrad))": optim.SkipNonFinite(optim.EMA(optim.AMSGrad(0.01), decay=0.9)),
+    "SkipNonFinite(RAdam)": optim.SkipNonFinite(optim.RAdam(0.01)),
+    "EMA(ADOPT)": optim.EMA(optim.ADOPT(0.01), decay=0.9),
 }
 
 
@@ -108,6 +114,19 @@ def test_fused_nadam(monkeypatch):
     assert_ulp(optim.state_dict(state), optim.state_dict(want_state), ulps=16)
 
 
+@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16 m"])
+def test_fused_radam(mu_dtype, monkeypatch):
+    """RAdam's step is `η m̂` until ρ > 4, then rectified: with β₂ = 0.9 from the fifth step (ρ = 4.58), so 7
+    steps run both branches; its step number t is a packed leaf the kernel's call advances with the powers."""
+    rule = optim.RAdam(0.01, beta=(0.9, 0.9), mu_dtype=mu_dtype)
+    assert uses_kernel(rule)
+    state, m = train(rule, steps=7, monkeypatch=monkeypatch)
+    want_state, want = train(rule, steps=7, fused=False, monkeypatch=monkeypatch)
+    assert_ulp(m, want, ulps=8)
+    assert_ulp(optim.state_dict(state), optim.state_dict(want_state), ulps=16)
+    assert int(state["mat"].state.t) == 8
+
+
 def nan_at(t, m):
     """`grads_at`, with a NaN in one matrix gradient at step 1 and an Inf in a tied one at step 3."""
     g = grads_at(t, m)
@@ -121,7 +140,8 @@ def nan_at(t, m):
 @pytest.mark.parametrize("mode", ["eager", "donate", "jit"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["SkipNonFinite(AdamW)", "EMA(SkipNonFinite(chain(ClipGlobalNorm, Lion, Scale)))",
-                                  "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))", "SkipNonFinite(EMA(AMSGrad))"])
+                                  "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))", "SkipNonFinite(EMA(AMSGrad))",
+                                  "SkipNonFinite(RAdam)"])
 def test_skipped_steps(name, dtype, mode, monkeypatch):
     """A step with a NaN or an Inf gradient anywhere is skipped by the kernel as by XLA's path: every parameter,
     tie and state (moments, powers, averages) keeps its value, and the skipped steps are counted, whether the
@@ -213,7 +233,8 @@ def test_finite_check():
     assert float(check(jnp.zeros(0), small)) == 1
 
 
-@pytest.mark.parametrize("name", ["Adam", "Lion", "EMA(AdamW)", "chain(Adam, Scale)"])
+@pytest.mark.parametrize("name", ["Adam", "Lion", "EMA(AdamW)", "chain(Adam, Scale)", "AdaBelief", "AMSGrad", "RAdam",
+                                  "RMSProp centred", "ADOPT"])
 def test_fused_bfloat16_parameters(name, monkeypatch):
     rule = RULES[name]
     state, m = train(rule, jnp.bfloat16, jit=True, monkeypatch=monkeypatch)
@@ -416,6 +437,8 @@ rules = {
     "adabelief bf16": optim.AdaBelief(0.01, mu_dtype=jnp.bfloat16),
     "rmsprop centred": optim.RMSProp(0.01, centred=True),
     "amsgrad bf16 nu": optim.AMSGrad(0.01, nu_dtype=jnp.bfloat16),
+    "radam": optim.RAdam(0.01, beta=(0.9, 0.9)),
+    "adopt nesterov": optim.ADOPT(0.01, nesterov=True),
     "lion": optim.Lion(0.01),
     "ema(momentum)": optim.EMA(optim.Momentum(0.01, mu_dtype=jnp.bfloat16), decay=0.9),
     "clip adamw scale": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1, couple=False),

@@ -7,16 +7,17 @@
 // chunk completes, so no thread waits for another.
 //
 // Operands: `scalars` (members, 16) float32, one row per member:
-//   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, ...] where
+//   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, flag, ...] where
 //   Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t); NAdam: c1 = b1/(1 - b1 b1^t), k2 = (1 - b1)/(1 - b1^t),
-//   c2 = b2/(1 - b2^t); AdaBelief as Adam (wd 0); AMSGrad: lr, b1, b2, eps; RMSProp (plain, centred): lr, rho
-//   (in b1), eps; Lion: lr, b1, b2; Momentum: lr, rho (in b1); Descent: lr;
+//   c2 = b2/(1 - b2^t); AdaBelief as Adam (wd 0); RAdam as Adam, k2 its rectification r where flag != 0;
+//   ADOPT: lr, b1, b2, eps, c1 the clip t^(1/4) (inf: none), flag its first step; AMSGrad: lr, b1, b2, eps;
+//   RMSProp (plain, centred): lr, rho (in b1), eps; Lion: lr, b1, b2; Momentum: lr, rho (in b1); Descent: lr;
 //   gs scales the gradient (a chain's ClipGlobalNorm factor, else 1), f the step (a chain's last `Scale`, else 1),
 //   d is the decay of an EMA of the new parameter (attribute `ema`), ok = 0 skips the member (SkipNonFinite,
 //   SkipLargeUpdates: its parameter and state keep their values, and in place nothing is written);
-// then B sets of state stacks (Adam, NAdam: m, v; AdaBelief: m, s; AMSGrad: m, v, its running maximum (of v's
-// dtype); RMSProp: q, centred also l; Lion: m; Momentum: v; Descent: none; then, with `ema`, the float32
-// average), each stack (its size, n);
+// then B sets of state stacks (Adam, NAdam, RAdam, ADOPT: m, v; AdaBelief: m, s; AMSGrad: m, v, its running
+// maximum (of v's dtype); RMSProp: q, centred also l; Lion: m; Momentum: v; Descent: none; then, with `ema`, the
+// float32 average), each stack (its size, n);
 // then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
 // arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
 // writing the sum and reading it back), then per member `mirrors[r]` arrays of n elements (the model's other
@@ -47,15 +48,16 @@ namespace {
 
 enum Kind : int64_t {
   kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5, kNAdam = 6,
-  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10
+  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10, kRAdam = 11, kADOPT = 12, kADOPTNesterov = 13
 };
-constexpr int64_t kLastKind = kAMSGrad;
+constexpr int64_t kLastKind = kADOPTNesterov;
 constexpr int64_t kWidth = 16;   // scalars per member
 
 constexpr int StateCount(int64_t kind) {
   switch (kind) {
     case kAMSGrad: return 3;
     case kAdam: case kAdamWCoupled: case kAdamWDecoupled: case kNAdam: case kAdaBelief: case kRMSPropCentred:
+    case kRAdam: case kADOPT: case kADOPTNesterov:
       return 2;
     case kLion: case kMomentum: case kRMSProp: return 1;
     default: return 0;

@@ -1,6 +1,6 @@
-"""The fused CPU step: Adam, AdamW, NAdam, AdaBelief, AMSGrad, RMSProp, Lion, Momentum and Descent in one pass
-over each parameter, also wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained after ClipGlobalNorm
-and before a Scale.
+"""The fused CPU step: Adam, AdamW, NAdam, RAdam, AdaBelief, AMSGrad, ADOPT, RMSProp, Lion, Momentum and
+Descent in one pass over each parameter, also wrapped in SkipNonFinite, SkipLargeUpdates and EMA, or chained
+after ClipGlobalNorm and before a Scale (the kinds: optim._engine.fused_kinds).
 
 XLA:CPU compiles Adam's update into three loops over each parameter (the first moment, the second, then the
 step, which re-reads both), and cannot fuse them into one (there is no multi-output loop fusion on CPU). The step
@@ -50,12 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import fused_load, xla as xla
+from . import fused_kinds as kinds, fused_load, xla as xla
 from .kernel_choice import kernel_or_xla
 from .pack import assemble, is_packed
 from .stack import KERNEL_FLOATS, row_index, traced_sharded
 from .._rules.average import EMA
-from .._rules.protocol import Gated, apply_all, as_compute, eps_of, formula_of
+from .._rules.protocol import Gated, apply_all, formula_of
 from .._rules.transforms import Scale
 from .strategies import Strategy, register
 from .._rules.wrappers import (OptimiserChain, SkipLargeUpdates, SkipLargeUpdatesState, SkipNonFinite,
@@ -66,14 +66,6 @@ __all__ = ["ENABLED", "AVAILABLE", "KERNEL", "Kernel", "only_cpu", "kernel_calls
 ENABLED = os.environ.get("OPTIM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 MAX_MEMBERS = 64          # members per call (the issue's prototype: XLA's compile time grows beyond)
 _log = logging.getLogger("optim")
-# Kernel kinds (optim/_engine/fused.cc) and state arrays per member.
-_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD = \
-    range(11)
-_WIDTH = 16               # scalars per member (optim/_engine/fused.cc)
-_ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF)     # states (m, v, packed (β₁ᵗ, β₂ᵗ))
-_ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _AMSGRAD: 3,
-           **dict.fromkeys(_ADAMS, 2)}     # (AMSGrad's third array has the second's dtype)
-
 
 AVAILABLE, WHY = fused_load.load()
 _log.debug("%s%s", WHY, "" if AVAILABLE else "; update runs the pure-JAX path")
@@ -96,16 +88,6 @@ def only_cpu() -> bool:
 _ONLY_CPU: bool | None = None
 
 
-def _kind(rule: Any) -> int | None:
-    """The kernel's kind for `rule`'s formula (see `Rule._formula`), or None where the kernel has none."""
-    kind = _KINDS.get(formula_of(rule))
-    return kind if not isinstance(kind, tuple) else kind[1] if getattr(rule, kind[2]) else kind[0]
-
-
-# Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
-_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
-          "adabelief": _ADABELIEF, "amsgrad": _AMSGRAD, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
-          "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred")}
 # The wrappers that gate the whole step on a flag computed across the parameters, and their states' types.
 _GATES = {SkipNonFinite: SkipNonFiniteState, SkipLargeUpdates: SkipLargeUpdatesState}
 
@@ -146,7 +128,7 @@ def _peel(rule: Any) -> _Plan | None:
             return None
         clip, scale, at = stages[0] if first else None, stages[-1] if last < len(stages) else None, first
         rule = stages[first]
-    if _kind(rule) is None:
+    if kinds.kind_of(rule) is None:
         return None
     return _Plan(tuple(gates), ema, clip, rule, scale, tuple(walk), at)
 
@@ -294,7 +276,7 @@ class Kernel(Strategy):
         if plan is None:
             return ("it has no kernel for this rule (a kernel formula, alone or in a chain [ClipGlobalNorm,] rule "
                     "[, Scale], inside SkipNonFinite, SkipLargeUpdates or one EMA)")
-        kind = _kind(plan.core)
+        kind = kinds.kind_of(plan.core)
         try:
             hypers = jax.tree.leaves(rule)
             if any(jnp.ndim(h) != 0 or isinstance(h, jax.core.Tracer) and traced_sharded(h) for h in hypers):
@@ -312,8 +294,8 @@ class Kernel(Strategy):
                 return "a state of another structure"
             leaves = jax.tree_util.tree_flatten(core, is_leaf=is_packed)[0]
             wide = [a for a in leaves if not is_packed(a)]
-            # Its arrays, then (the Adam family) the packed powers (β₁ᵗ, β₂ᵗ).
-            if len(wide) != _ARRAYS[kind] or [is_packed(a) for a in leaves[len(wide):]] != [True] * (kind in _ADAMS):
+            tail = [is_packed(a) for a in leaves[len(wide):]]      # the packed leaves come after the arrays
+            if len(wide) != kinds.ARRAYS[kind] or tail != [True] * kinds.PACKED[kind]:
                 return "a state of another structure"
             if plan.ema is not None:
                 if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
@@ -321,7 +303,7 @@ class Kernel(Strategy):
                 wide = wide + [avg]
             for a in wide:
                 if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or (
-                        kind == _AMSGRAD and a is wide[2] and a.dtype != wide[1].dtype):
+                        kind == kinds.AMSGRAD and a is wide[2] and a.dtype != wide[1].dtype):
                     return "a state array of another shape or dtype"
                 if traced_sharded(a):
                     return "a sharded state array"
@@ -373,7 +355,7 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
     them beside the old (for a call that keeps its inputs). Returns `(new stored trees, new parameters per stack,
     new pack rows [(group, leaf, rows of the pack, values)], new mirrors per stack)`, as XLA's path does."""
     plan = _peel(rule)
-    kind = _kind(plan.core)
+    kind = kinds.kind_of(plan.core)
     if sums is None:
         sums = [tuple((sum(g[1:], g[0]),) for g in member) for member in gs]
     members = [(i, m, r) for i in range(len(stored)) for m, r in enumerate(rows[i])]
@@ -406,7 +388,7 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
             stacks = list(dict.fromkeys(i for i, _, _ in call))        # the calls' sets of state stacks, in order
             x0 = xs[call[0][0]][0]
             ok = jnp.stack([oks[(i, m)] for i, m, _ in call]) if oks else None
-            scalars, writes = _scalars(kind, plan, x0, call, flat, packs, scale, ok)
+            scalars, writes = kinds.scalars(kind, plan, x0, call, flat, packs, scale, ok)
             pack_rows += writes
             state_in = [a for i in stacks for a in new_wides[i]]
             outs = _call(kind, plan.ema is not None, scalars, state_in, [xs[i][m] for i, m, _ in call],
@@ -426,57 +408,6 @@ def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs:
         core = treedef.unflatten([a if is_packed(a) else next(it) for a in leaves])
         new_stored.append(_close(plan, t, core, next(it) if plan.ema is not None else avg, e))
     return new_stored, [tuple(x) for x in new_xs], pack_rows, [tuple(m) for m in new_mirrors]
-
-
-def _scalars(kind: int, plan: _Plan, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array,
-             ok: jax.Array | None):
-    """The `(members, 16)` float32 scalars of one call (see optim/_engine/fused.cc), and for the Adam family the
-    new bias-correction powers as pack rows: `[(group, leaf, rows of the pack, values)]` (the old ones where
-    `ok`, a flag per member, is false)."""
-    k, rule = len(call), plan.core
-    zero = jnp.zeros((), jnp.float32)
-    lr = as_compute(rule.lr, x)
-    # The chain's last Scale (the step times f), an EMA's decay (in its average's dtype, float32), the gate.
-    f = as_compute(plan.scale.f, x) if plan.scale is not None else jnp.ones((), jnp.float32)
-    d = jnp.asarray(plan.ema.decay, jnp.float32) if plan.ema is not None else zero
-    tail = [scale, f.astype(jnp.float32), d]
-    flags = jnp.ones((k, 1), jnp.float32) if ok is None else ok.astype(jnp.float32)[:, None]
-    if kind not in _ADAMS:       # [lr, b1, b2, eps] as far as the rule has them (ρ is b1)
-        b = [rule.rho, 0.0] if hasattr(rule, "rho") else list(getattr(rule, "beta", ()))
-        row = [lr, *(as_compute(v, x) for v in b)] + ([eps_of(rule.eps, x)] if hasattr(rule, "eps") else [])
-        row = jnp.stack([jnp.asarray(v, jnp.float32) for v in row] + [zero] * (7 - len(row)) + tail)
-        return jnp.concatenate([jnp.broadcast_to(row, (k, 10)), flags, jnp.zeros((k, 5), jnp.float32)], axis=1), []
-    b1, b2 = as_compute(rule.beta[0], x), as_compute(rule.beta[1], x)
-    wd = as_compute(rule.weight_decay, x) if kind in (_ADAMW, _ADAMW_COUPLED) else zero
-    # This call's members' powers (β₁ᵗ, β₂ᵗ): their rows of the packs, read per pack group, in call order.
-    bts, runs, writes, at = [], [], [], 0
-    for i, _, r in call:
-        p = flat[i][0][2]
-        key = (p.group, p.leaf)
-        if runs and runs[-1][0] == key:
-            runs[-1][1].append(p.start + r)
-        else:
-            runs.append((key, [p.start + r]))
-    for (g, leaf), rows in runs:
-        bt = packs[g][leaf][row_index(tuple(rows))]
-        bts.append(bt)
-        new = bt * jnp.stack([b1, b2]).astype(bt.dtype)
-        if ok is not None:     # a skipped step keeps the powers (as the wrappers gate the whole state)
-            new = jnp.where(ok[at:at + len(rows), None], new, bt)
-        at += len(rows)
-        writes.append((g, leaf, tuple(rows), new))
-    bt = (bts[0] if len(bts) == 1 else jnp.concatenate(bts)).astype(jnp.float32)
-    k2 = zero
-    if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
-        c = jnp.stack([b1 / (1 - b1 * bt[:, 0]), b2 / (1 - bt[:, 1])], axis=1)
-        k2 = (1 - b1) / (1 - bt[:, 0])
-    else:
-        c = 1 / (1 - bt)
-    head = jnp.broadcast_to(jnp.stack([lr, b1, b2, eps_of(rule.eps, x)]).astype(jnp.float32), (k, 4))
-    mid = jnp.broadcast_to(jnp.stack([wd.astype(jnp.float32)] + tail), (k, 4))
-    k2 = jnp.broadcast_to(jnp.asarray(k2, jnp.float32), (k,))[:, None]
-    return jnp.concatenate([head, c.astype(jnp.float32), mid, flags, k2, jnp.zeros((k, 4), jnp.float32)],
-                           axis=1), writes
 
 
 def _call(kind: int, ema: bool, scalars: jax.Array, state: list, xs: list, gs: list, ms: list, sets: list,

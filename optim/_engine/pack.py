@@ -12,8 +12,9 @@ static and compared by value. `fill` puts the rows back (slices); `update` inste
 arithmetic once per pack group on whole packs (`optim._engine.hoist`).
 
 A leaf is small when one parameter's part of it has at most `SMALL` elements and is not shaped like the
-parameter. Packing only changes how the arrays are stored: `state.stacks`, `state[path]`, `state_dict` and
-checkpoints see the same per-stack trees as before.
+parameter, unless it is not a float (a step count of a scalar parameter is small: the kernel reads counts from
+packs, optim._engine.fused_kinds). Packing only changes how the arrays are stored: `state.stacks`,
+`state[path]`, `state_dict` and checkpoints see the same per-stack trees as before.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]
         small = []
         for i, (a, s) in enumerate(zip(leaves, shapes)):
             if (s is not None and hasattr(a, "shape") and tuple(a.shape) == (n, *s) and math.prod(s) <= SMALL
-                    and tuple(s) != tuple(p.shape)):
+                    and (tuple(s) != tuple(p.shape) or not jnp.issubdtype(a.dtype, jnp.inexact))):
                 small.append(i)
         if not small:
             stored.append(stack)

@@ -153,6 +153,7 @@ class RAdam(StateDtypes, Rule):
     Array([0.95, 2.1 ], dtype=float32)
     """
 
+    _formula = "radam"
     lr: Hyper = 0.001
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     eps: Hyper = 1e-8

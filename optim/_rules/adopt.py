@@ -60,6 +60,7 @@ class ADOPT(Rule):
     Array([0.99, 2.01], dtype=float32)
     """
 
+    _formula = "adopt"
     lr: Hyper = 1e-3
     beta: tuple[Hyper, Hyper] = (0.9, 0.9999)
     eps: Hyper = 1e-6

@@ -1,0 +1,114 @@
+"""The fused CPU kernel's kinds (`optim/_engine/fused.cc`): which rule each one runs, the state it reads, and
+the per-member scalars XLA computes for it (hyperparameters, bias corrections, the wrappers' numbers).
+
+A rule runs as a kind when its own class declares the formula (`Rule._formula`, see `kind_of`); its state is
+`ARRAYS[kind]` arrays of the parameter's shape, then `PACKED[kind]` small leaves kept in packs (the Adam family's
+powers (β₁ᵗ, β₂ᵗ), RAdam's and ADOPT's step numbers), whose new values are written as pack rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .stack import row_index
+from .._rules.protocol import as_compute, eps_of, formula_of
+
+__all__ = ["AMSGRAD", "ARRAYS", "PACKED", "kind_of", "scalars"]
+
+(_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, AMSGRAD,
+ _RADAM, _ADOPT, _ADOPT_NESTEROV) = range(14)
+ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ) [, t])
+# The state arrays per kind (AMSGrad's third has the second's dtype).
+ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, AMSGRAD: 3, _ADOPT: 2,
+          _ADOPT_NESTEROV: 2, **dict.fromkeys(ADAMS, 2)}
+# The packed leaves after the arrays: (β₁ᵗ, β₂ᵗ), and RAdam's and ADOPT's t.
+PACKED = {**dict.fromkeys(ARRAYS, 0), **dict.fromkeys(ADAMS, 1), _RADAM: 2, _ADOPT: 1, _ADOPT_NESTEROV: 1}
+
+
+def kind_of(rule: Any) -> int | None:
+    """The kernel's kind for `rule`'s formula (see `Rule._formula`), or None where the kernel has none."""
+    kind = _KINDS.get(formula_of(rule))
+    return kind if not isinstance(kind, tuple) else kind[1] if getattr(rule, kind[2]) else kind[0]
+
+
+# Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
+_KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
+          "adabelief": _ADABELIEF, "amsgrad": AMSGRAD, "radam": _RADAM, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
+          "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred"), "adopt": (_ADOPT, _ADOPT_NESTEROV, "nesterov")}
+
+
+def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array,
+            ok: jax.Array | None) -> tuple:
+    """The `(members, 16)` float32 scalars of one call of `plan` (optim._engine.fused's `_Plan`; `x`: a member's
+    parameter, for the compute dtype; `call`: its members `(stack, member, row)`; `flat`: per stack its state's
+    leaves; `scale`: the clip factor), see optim/_engine/fused.cc, and the new packed leaves (the Adam family's
+    powers, RAdam's and ADOPT's t) as pack rows: `[(group, leaf, rows of the pack, values)]` (the old ones where
+    `ok`, a flag per member, is false)."""
+    rule, writes = plan.core, []
+    # [lr, b1, b2, eps] as far as the rule has them (ρ is b1); the rest 0 unless set below.
+    b = [rule.rho, 0.0] if hasattr(rule, "rho") else list(getattr(rule, "beta", ()))
+    col = dict(zip(("lr", "b1", "b2", "eps"), [as_compute(rule.lr, x), *(as_compute(v, x) for v in b)]))
+    if hasattr(rule, "eps"):
+        col["eps"] = eps_of(rule.eps, x)
+    # The clip factor, the chain's last Scale (the step times f), an EMA's decay (its average is float32), the gate.
+    col.update(gs=scale, f=as_compute(plan.scale.f, x) if plan.scale is not None else 1.0,
+               d=plan.ema.decay if plan.ema is not None else 0.0, ok=1.0 if ok is None else ok)
+    if kind in ADAMS:
+        b1, b2 = col["b1"], col["b2"]
+        bt, writes = _pack_step(call, flat, packs, 2, lambda bt: bt * jnp.stack([b1, b2]).astype(bt.dtype), ok)
+        bt = bt.astype(jnp.float32)
+        col.update(c1=1 / (1 - bt[:, 0]), c2=1 / (1 - bt[:, 1]))
+        if kind in (_ADAMW, _ADAMW_COUPLED):
+            col["wd"] = as_compute(rule.weight_decay, x)
+        if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
+            col.update(c1=b1 / (1 - b1 * bt[:, 0]), c2=b2 / (1 - bt[:, 1]), k2=(1 - b1) / (1 - bt[:, 0]))
+        if kind == _RADAM:       # RAdam's rectification r (in k2), and whether this step is rectified
+            t, more = _pack_step(call, flat, packs, 3, lambda t: t + 1, ok)
+            writes += more
+            rho_inf = 2 / (1 - b2) - 1
+            rho = rho_inf - 2 * t.astype(b2.dtype) * bt[:, 1] / (1 - bt[:, 1])
+            col.update(k2=jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho),
+                                               0)), flag=rho > 4)
+    elif kind in (_ADOPT, _ADOPT_NESTEROV):     # ADOPT's clip t^¼ (inf: none), and whether it is the first step
+        t, writes = _pack_step(call, flat, packs, 2, lambda t: t + 1, ok)
+        col.update(c1=t.astype(col["b1"].dtype) ** 0.25 if rule.use_clipping else jnp.inf, flag=t == 0)
+    # The matrix from a few pieces: each run of columns that are one number for all members is one broadcast
+    # vector (XLA:CPU fuses a concatenation of a few pieces into one loop, not of 16 columns).
+    k, pieces = len(call), []
+    for name in _COLUMNS:
+        v = jnp.asarray(col.get(name, 0.0), jnp.float32)
+        if v.ndim == 0 and pieces and isinstance(pieces[-1], list):
+            pieces[-1].append(v)
+        else:
+            pieces.append([v] if v.ndim == 0 else v[:, None])
+    return jnp.concatenate([jnp.broadcast_to(jnp.stack(p), (k, len(p))) if isinstance(p, list) else p
+                            for p in pieces], axis=1), writes
+
+
+# The columns of the kernel's scalars (optim/_engine/fused.cc's Scalars16).
+_COLUMNS = ("lr", "b1", "b2", "eps", "c1", "c2", "wd", "gs", "f", "d", "ok", "k2", "flag", "", "", "")
+
+
+def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.Array | None) -> tuple:
+    """The call's members' values of their packed state leaf `j` (their rows of the packs, read per pack group, in
+    call order), and the new values `new(old)` as pack rows `[(group, leaf, rows of the pack, values)]` (the old
+    ones where `ok`, a flag per member, is false: a skipped step keeps its state)."""
+    runs, olds, writes, at = [], [], [], 0
+    for i, _, r in call:
+        p = flat[i][0][j]
+        if runs and runs[-1][0] == (p.group, p.leaf):
+            runs[-1][1].append(p.start + r)
+        else:
+            runs.append(((p.group, p.leaf), [p.start + r]))
+    for (g, leaf), rows in runs:
+        old = packs[g][leaf][row_index(tuple(rows))]
+        olds.append(old)
+        values = new(old)
+        if ok is not None:
+            values = jnp.where(ok[at:at + len(rows)].reshape((-1,) + (1,) * (old.ndim - 1)), values, old)
+        at += len(rows)
+        writes.append((g, leaf, tuple(rows), values))
+    return (olds[0] if len(olds) == 1 else jnp.concatenate(olds)), writes
