@@ -70,8 +70,8 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
             writes += more
             rho_inf = 2 / (1 - b2) - 1
             rho = rho_inf - 2 * t.astype(b2.dtype) * bt[:, 1] / (1 - bt[:, 1])
-            col.update(k2=jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho),
-                                               0)), flag=rho > 4)
+            ratio = (rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho)
+            col.update(k2=jnp.sqrt(jnp.maximum(ratio, 0)), flag=rho > 4)
     elif kind in (_ADOPT, _ADOPT_NESTEROV):     # ADOPT's clip t^¼ (inf: none), and whether it is the first step
         t, writes = _pack_step(call, flat, packs, 2, lambda t: t + 1, ok)
         col.update(c1=t.astype(col["b1"].dtype) ** 0.25 if rule.use_clipping else jnp.inf, flag=t == 0)
