@@ -8,9 +8,8 @@ never written back (their outputs stay cleared).
 from __future__ import annotations
 
 import json
-import re
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,14 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
-from jupyter_client.manager import KernelManager  # noqa: E402
-
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 KERNEL = "optim-test-python"
 
 
 @pytest.fixture(scope="module")
-def kernel_specs(tmp_path_factory):
+def kernel_specs(tmp_path_factory) -> str:
+    """A folder of kernelspecs holding one: this interpreter's."""
     root = tmp_path_factory.mktemp("kernels")
     spec = root / KERNEL
     spec.mkdir()
@@ -38,7 +35,7 @@ def kernel_specs(tmp_path_factory):
         "display_name": "optim tests", "language": "python",
         "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline", "PYTHONWARNINGS": "ignore"},
     }))
-    return KernelSpecManager(kernel_dirs=[str(root)], ensure_native_kernel=False)
+    return str(root)
 
 
 def test_notebooks_exist():
@@ -48,21 +45,41 @@ def test_notebooks_exist():
         assert want in names
 
 
+# Each notebook runs in a child process: nbclient leaves its kernel client's channel threads (and their ZMQ
+# sockets) alive in the process that executed the notebook, and they would stay for the rest of the test session.
+RUNNER = r"""
+import json, re, sys, time
+import nbclient, nbformat
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+path, kernels, name, folder = sys.argv[1:5]
+nb = nbformat.read(path, as_version=4)
+km = KernelManager(kernel_name=name,
+                   kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernels], ensure_native_kernel=False))
+client = nbclient.NotebookClient(nb, km=km, timeout=240, allow_errors=False, resources={"metadata": {"path": folder}})
+t = time.perf_counter()
+error = None
+try:
+    client.execute()
+except nbclient.exceptions.CellExecutionError as e:
+    error = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+print(json.dumps({"error": error, "seconds": time.perf_counter() - t, "images": images}))
+"""
+
+
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path, kernel_specs):
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{path.name}: commit notebooks with outputs cleared"
-    km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=kernel_specs)
-    client = nbclient.NotebookClient(nb, km=km, timeout=240, allow_errors=False,
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    t = time.perf_counter()
-    try:
-        client.execute()
-    except nbclient.exceptions.CellExecutionError as e:
-        pytest.fail(f"{path.name}: a cell failed:\n" + re.sub(r"\x1b\[[0-9;]*m", "", str(e)), pytrace=False)
-    seconds = time.perf_counter() - t
-    assert seconds < 180, f"{path.name} took {seconds:.0f} s (it should run in well under a minute)"
+    r = subprocess.run([sys.executable, "-c", RUNNER, str(path), kernel_specs, KERNEL, str(NOTEBOOKS)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{path.name}: the notebook runner failed ({r.returncode}):\n{r.stderr[-4000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    if got["error"] is not None:
+        pytest.fail(f"{path.name}: a cell failed:\n" + got["error"], pytrace=False)
+    assert got["seconds"] < 180, f"{path.name} took {got['seconds']:.0f} s (it should run in well under a minute)"
     # Every notebook shows at least one picture.
-    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert images >= 1, f"{path.name}: no plot was produced"
+    assert got["images"] >= 1, f"{path.name}: no plot was produced"

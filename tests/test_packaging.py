@@ -27,6 +27,7 @@ import json
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -58,10 +59,19 @@ def _source_version() -> str:
     raise AssertionError("optim/__init__.py has no __version__ = '...' literal")
 
 
-def _run(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
-    return r.stdout
+def _run(cmd, timeout: float = 300, **kw):
+    """`cmd`'s output; it fails the test when `cmd` fails or runs past `timeout` seconds. It runs in a session of
+    its own, killed whole at the timeout: `make dist` started the compiler, and killing `make` alone left the
+    compiler running (and loading the machine) through the tests after it."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd))} ran past {timeout} s:\n{out[-4000:]}\n{err[-4000:]}")
+    assert p.returncode == 0, f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{out}\n{err}"
+    return out
 
 
 def _tie_block() -> str:
@@ -103,9 +113,11 @@ def dist(tmp_path_factory) -> tuple[Path, str | None]:
     if _auditwheel() and (bin_ / "python").exists() and shutil.which("make"):
         # --no-isolation: build with this environment's setuptools and jaxlib (the test extra has setuptools>=77
         # and build), instead of downloading them into a new environment on every run.
-        shown = _run(["make", "-s", "dist", f"BIN={bin_}", f"DIST={out}", "BUILD_FLAGS=--no-isolation"], cwd=src)
+        # The timeout is the compile's: ~3 min on 2 quiet cores, more on a loaded machine.
+        shown = _run(["make", "-s", "dist", f"BIN={bin_}", f"DIST={out}", "BUILD_FLAGS=--no-isolation"], cwd=src,
+                     timeout=1500)
         return out, shown
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)], cwd=tmp)
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)], cwd=tmp, timeout=1500)
     return out, None
 
 
