@@ -1,4 +1,5 @@
-"""Build of optim's one compiled part, the fused CPU kernel (`optim/_engine/fused.cc`, an XLA FFI custom call).
+"""Build of optim's one compiled part, the fused CPU kernel (`optim/_engine/fused.cc` and the files beside it, an XLA
+FFI custom call).
 
 Everything else is in pyproject.toml. The kernel is optional: it is compiled with the system's C++ compiler
 against the XLA FFI headers that jaxlib ships, and when there is no compiler, no headers, or the compile fails,
@@ -24,6 +25,7 @@ import os
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
@@ -75,6 +77,26 @@ def _built_from(kernel: str, record: dict) -> bool:
         return False
 
 
+def _compile_at_once(compiler) -> None:
+    """Makes `compiler.compile` run one compiler process per source, at once (distutils runs them one after the
+    other): the kernel's three files take ~3 min in one process on one core, and the AVX-512 file alone is the
+    longest."""
+    one_by_one = compiler.compile
+    if getattr(one_by_one, "at_once", False):
+        return
+
+    def compile(sources, output_dir=None, **kw):
+        for src in sources:   # the object folders, made before the processes start (none races to make them)
+            os.makedirs(os.path.dirname(compiler.object_filenames([src], output_dir=output_dir)[0]) or ".",
+                        exist_ok=True)
+        with ThreadPoolExecutor(max(1, len(sources))) as pool:
+            done = list(pool.map(lambda src: one_by_one([src], output_dir=output_dir, **kw), sources))
+        return [obj for objs in done for obj in objs]
+
+    compile.at_once = True
+    compiler.compile = compile
+
+
 def _remove(*paths: str) -> None:
     for path in paths:
         if os.path.exists(path):
@@ -112,6 +134,7 @@ class BuildFused(build_ext):
                 return
         _remove(path, record_path)   # built from other sources or against another jaxlib: never reused
         ext.include_dirs.append(headers)
+        _compile_at_once(self.compiler)
         super().build_extension(ext)   # optional=True: a failed compile is reported and the install goes on
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
@@ -141,9 +164,10 @@ class Wheel(bdist_wheel):
 
 fused = Extension(
     KERNEL,
-    sources=["optim/_engine/fused.cc"],
-    # The element loops, included by fused.cc once per instruction set (baseline, AVX2 and AVX-512, chosen at load).
-    depends=["optim/_engine/fused_loops.inc"],
+    # The handlers with the element loops for the baseline x86-64, and the loops for AVX2 and for AVX-512 (the
+    # build that runs is chosen at load), compiled at once (`_compile_at_once`).
+    sources=["optim/_engine/fused.cc", "optim/_engine/fused_avx2.cc", "optim/_engine/fused_avx512.cc"],
+    depends=["optim/_engine/fused.h", "optim/_engine/fused_loops.inc"],
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the
     # handler symbol is exported. -ffp-contract=off: no multiply-add contracted where AVX-512 has FMA, so every

@@ -9,8 +9,10 @@ kernel is a failure here, not a skip.
 
 import functools
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -493,3 +495,21 @@ def test_instruction_set_builds_compute_the_same_bits(tmp_path):
         assert runs[isa].keys() == base.keys()
         for k in base:
             np.testing.assert_array_equal(runs[isa][k], base[k], err_msg=f"{isa} {k}")
+
+
+def test_instruction_set_builds_share_no_standard_template():
+    """The loops are compiled once per instruction set in files of their own (fused.cc, fused_avx2.cc,
+    fused_avx512.cc, each with its `#pragma GCC target`). A standard template they instantiated would be
+    instantiated under each pragma, and the linker keeps one copy for all: the baseline build could then call
+    AVX-512 code. So the loops call the standard library only for `std::memcpy` and `std::sqrt` (plain functions,
+    defined before the pragma), and every build includes fused.h before its pragma."""
+    engine = Path(optim.__file__).parent / "_engine"
+    loops = engine.joinpath("fused_loops.inc").read_text()
+    code = "\n".join(line.split("//")[0] for line in loops.splitlines())
+    assert set(re.findall(r"std::\w+", code)) <= {"std::memcpy", "std::sqrt"}
+    assert "#include" not in code   # what the loops use comes from fused.h, before the pragma
+    for name in ("fused_avx2.cc", "fused_avx512.cc"):
+        text = engine.joinpath(name).read_text()
+        assert text.index('#include "fused.h"') < text.index("#pragma GCC target") < text.index('"fused_loops.inc"')
+    base = engine.joinpath("fused.cc").read_text()
+    assert "#pragma GCC target" not in base and base.index('#include "fused.h"') < base.index('"fused_loops.inc"')

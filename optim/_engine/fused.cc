@@ -31,82 +31,23 @@
 // (and their gradients) float32 or bfloat16, each state stack float32 or bfloat16 (alike across sets); the
 // arithmetic is float32, in the order of the rules in optim/_rules/.
 
-#include <algorithm>
-#include <atomic>
-#include <memory>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
+#include "fused.h"
 
-#include "xla/ffi/api/ffi.h"
+namespace optim_kernel {
 
-namespace ffi = xla::ffi;
-
-namespace {
-
-enum Kind : int64_t {
-  kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5, kNAdam = 6,
-  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10, kRAdam = 11, kADOPT = 12, kADOPTNesterov = 13
-};
-constexpr int64_t kLastKind = kADOPTNesterov;
-constexpr int64_t kWidth = 16;   // scalars per member
-
-constexpr int StateCount(int64_t kind) {
-  switch (kind) {
-    case kAMSGrad: return 3;
-    case kAdam: case kAdamWCoupled: case kAdamWDecoupled: case kNAdam: case kAdaBelief: case kRMSPropCentred:
-    case kRAdam: case kADOPT: case kADOPTNesterov:
-      return 2;
-    case kLion: case kMomentum: case kRMSProp: return 1;
-    default: return 0;
-  }
-}
-
-struct Work {
-  int64_t kind, n;
-  const float* scalars;
-  std::vector<int64_t> rows, sets;   // copies: the chunks may run after the handler has returned
-  int64_t ns;                        // state stacks per set (the rule's, then the EMA's average)
-  std::vector<const void*> state_in;   // the sets' state stacks, set by set
-  std::vector<void*> state_out;        // ... where their new values go (the same buffers when aliased)
-  std::vector<const void*> x_in;       // per member: the parameter
-  std::vector<void*> x_out;            // ... and its new value (in place when aliased)
-  std::vector<const void*> g, g2;    // per member: the gradient (g2: its second part, or null)
-  std::vector<std::vector<void*>> mirrors;   // per member: buffers that get a copy of its new value
-  int64_t elem_bytes;                // the parameters' element size
-};
-
-using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
-
-// The element loops, compiled three times in the same library: for the baseline x86-64 (SSE2), for AVX2 and for
-// AVX-512 (F, BW, VL, DQ), the best the CPU has chosen at the first call (`Isa`). Without AVX2 the bfloat16
-// conversions (32 -> 16 bits, and the rounding's select) have no vector instruction and the loops with bfloat16
-// moments became compute-bound: measured on one core over 16M elements, Adam with bfloat16 moments 42-48 ms vs 31
-// with float32 ones; with AVX2 21 vs 20. AVX-512 has the 32 -> 16-bit narrowing in one instruction (vpmovdw):
-// Adam with bfloat16 moments over 100 x 160k, 0.84x the float32 step with AVX2, 0.75x with AVX-512 (bench/NOTES.md).
+// The element loops, compiled three times in the same library: for the baseline x86-64 (SSE2) here, for AVX2
+// (fused_avx2.cc) and for AVX-512 (F, BW, VL, DQ; fused_avx512.cc), the best the CPU has chosen at the first call
+// (`Isa`). Without AVX2 the bfloat16 conversions (32 -> 16 bits, and the rounding's select) have no vector
+// instruction and the loops with bfloat16 moments became compute-bound: measured on one core over 16M elements,
+// Adam with bfloat16 moments 42-48 ms vs 31 with float32 ones; with AVX2 21 vs 20. AVX-512 has the 32 -> 16-bit
+// narrowing in one instruction (vpmovdw): Adam with bfloat16 moments over 100 x 160k, 0.84x the float32 step
+// with AVX2, 0.75x with AVX-512 (bench/NOTES.md).
 // All builds compute the same bits: setup.py compiles with -ffp-contract=off (no multiply-add is contracted where
 // AVX-512 has FMA), and sqrt and division are correctly rounded in every instruction set (tests/test_fused.py runs
 // each build and compares).
-#define OPTIM_LOOPS_NAMESPACE base
+namespace base {
 #include "fused_loops.inc"
-#undef OPTIM_LOOPS_NAMESPACE
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OPTIM_X86 1
-#pragma GCC push_options
-#pragma GCC target("avx2")
-#define OPTIM_LOOPS_NAMESPACE avx2
-#include "fused_loops.inc"
-#undef OPTIM_LOOPS_NAMESPACE
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-#define OPTIM_LOOPS_NAMESPACE avx512
-#include "fused_loops.inc"
-#undef OPTIM_LOOPS_NAMESPACE
-#pragma GCC pop_options
-#endif
+}  // namespace base
 
 // The build of the loops that runs: 0 baseline, 1 AVX2, 2 AVX-512; the best this CPU has, at most the one the
 // environment variable OPTIM_FUSED_ISA names (baseline, avx2 or avx512: the tests run each), read once.
@@ -419,12 +360,12 @@ ffi::Future Finite(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<Fl
   return future;
 }
 
-}  // namespace
+}  // namespace optim_kernel
 
-XLA_FFI_DEFINE_HANDLER(kOptimFused, Fused,
+XLA_FFI_DEFINE_HANDLER(kOptimFused, optim_kernel::Fused,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
-                           .Arg<Scalars>()
+                           .Arg<optim_kernel::Scalars>()
                            .RemainingArgs()
                            .RemainingRets()
                            .Attr<int64_t>("kind")
@@ -438,15 +379,15 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_fused(XLA
   return kOptimFused(call_frame);
 }
 
-XLA_FFI_DEFINE_HANDLER(kOptimFinite, Finite,
+XLA_FFI_DEFINE_HANDLER(kOptimFinite, optim_kernel::Finite,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
                            .RemainingArgs()
-                           .Ret<Flag>());
+                           .Ret<optim_kernel::Flag>());
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* optim_finite(XLA_FFI_CallFrame* call_frame) {
   return kOptimFinite(call_frame);
 }
 
 // Which build of the element loops this process runs (see `Isa`), for optim.info().
-extern "C" __attribute__((visibility("default"))) int optim_isa() { return Isa(); }
+extern "C" __attribute__((visibility("default"))) int optim_isa() { return optim_kernel::Isa(); }

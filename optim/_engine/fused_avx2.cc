@@ -1,0 +1,12 @@
+// The fused kernel's element loops (fused_loops.inc) built for AVX2; fused.cc picks them where the CPU has it. A
+// file of its own so that it compiles beside the others (setup.py compiles the kernel's files at once).
+#include "fused.h"
+
+#ifdef OPTIM_X86
+#pragma GCC target("avx2")
+namespace optim_kernel {
+namespace avx2 {
+#include "fused_loops.inc"
+}  // namespace avx2
+}  // namespace optim_kernel
+#endif
