@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from .stack import row_index
+from .._rules.adam import nadam_factors, rectification
+from .._rules.adopt import clip_bound
+from .._rules.moments import debias
 from .._rules.protocol import as_compute, eps_of, formula_of
 
 __all__ = ["AMSGRAD", "ARRAYS", "PACKED", "kind_of", "scalars"]
@@ -60,21 +63,18 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
         b1, b2 = col["b1"], col["b2"]
         bt, writes = _pack_step(call, flat, packs, 2, lambda bt: bt * jnp.stack([b1, b2]).astype(bt.dtype), ok)
         bt = bt.astype(jnp.float32)
-        col.update(c1=1 / (1 - bt[:, 0]), c2=1 / (1 - bt[:, 1]))
+        col.update(zip(("c1", "c2"), debias(bt.T)))
         if kind in (_ADAMW, _ADAMW_COUPLED):
             col["wd"] = as_compute(rule.weight_decay, x)
-        if kind == _NADAM:       # NAdam's factors of m, of g and of v (see optim._rules.adam.NAdam)
-            col.update(c1=b1 / (1 - b1 * bt[:, 0]), c2=b2 / (1 - bt[:, 1]), k2=(1 - b1) / (1 - bt[:, 0]))
+        if kind == _NADAM:       # NAdam's factors of m, of g and of v
+            col.update(zip(("c1", "k2", "c2"), nadam_factors(b1, b2, bt.T)))
         if kind == _RADAM:       # RAdam's rectification r (in k2), and whether this step is rectified
             t, more = _pack_step(call, flat, packs, 3, lambda t: t + 1, ok)
             writes += more
-            rho_inf = 2 / (1 - b2) - 1
-            rho = rho_inf - 2 * t.astype(b2.dtype) * bt[:, 1] / (1 - bt[:, 1])
-            ratio = (rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho)
-            col.update(k2=jnp.sqrt(jnp.maximum(ratio, 0)), flag=rho > 4)
+            col.update(zip(("k2", "flag"), rectification(b2, t, bt[:, 1])))
     elif kind in (_ADOPT, _ADOPT_NESTEROV):     # ADOPT's clip t^¼ (inf: none), and whether it is the first step
         t, writes = _pack_step(call, flat, packs, 2, lambda t: t + 1, ok)
-        col.update(c1=t.astype(col["b1"].dtype) ** 0.25 if rule.use_clipping else jnp.inf, flag=t == 0)
+        col.update(c1=clip_bound(t, col["b1"].dtype) if rule.use_clipping else jnp.inf, flag=t == 0)
     # The matrix from a few pieces: each run of columns that are one number for all members is one broadcast
     # vector (XLA:CPU fuses a concatenation of a few pieces into one loop, not of 16 columns).
     k, pieces = len(call), []

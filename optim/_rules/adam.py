@@ -122,6 +122,16 @@ class Adam(StateDtypes, Rule):
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 
+def rectification(b2, t, b2t):
+    """RAdam's rectification at step `t` (from 1) with `b2t` = β₂ᵗ: `(r, ρ > 4)`, where ρ∞ = 2 / (1 - β₂) - 1,
+    ρ = ρ∞ - 2 t β₂ᵗ / (1 - β₂ᵗ) and r = √((ρ - 4)(ρ - 2) ρ∞ / ((ρ∞ - 4)(ρ∞ - 2) ρ)) (0 where that is negative).
+    Also what the fused CPU kernel is given per parameter (`optim._engine.fused_kinds`)."""
+    rho_inf = 2 / (1 - b2) - 1
+    rho = rho_inf - 2 * t.astype(b2.dtype) * b2t / (1 - b2t)
+    r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
+    return r, rho > 4
+
+
 class RAdam(StateDtypes, Rule):
     """Rectified Adam: with `ρ∞ = 2/(1 - β₂) - 1` and `ρ = ρ∞ - 2t bt₂/(1 - bt₂)`, `step = η r m̂ / (√v̂ + ε)`
     when `ρ > 4` (`r = √((ρ-4)(ρ-2)ρ∞ / ((ρ∞-4)(ρ∞-2)ρ))`), else `η m̂` (momentum SGD while the variance of
@@ -169,13 +179,10 @@ class RAdam(StateDtypes, Rule):
     def apply(self, state, x, dx, *dxs):
         bt, t = state[2:]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
-        b2 = as_compute(self.beta[1], x)
-        rho_inf = 2 / (1 - b2) - 1
-        rho = rho_inf - 2 * t.astype(b2.dtype) * bt[1] / (1 - bt[1])
-        r = jnp.sqrt(jnp.maximum((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0))
+        r, rectified = rectification(as_compute(self.beta[1], x), t, bt[1])
         c1, c2 = debias(bt)
         lr, mhat = as_compute(self.lr, x), m * c1
-        step = jnp.where(rho > 4, mhat * r / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * lr, mhat * lr)
+        step = jnp.where(rectified, mhat * r / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * lr, mhat * lr)
         return RAdamState(*store((m, v), state), bt_next(bt, self.beta, x), t + 1), step
 
 
@@ -312,6 +319,13 @@ class AMSGrad(StateDtypes, Rule):
         return AMSGradState(*store((m, v, vmax), state)), step
 
 
+def nadam_factors(b1, b2, bt):
+    """NAdam's factors of m, of g and of v with `bt` = (β₁ᵗ, β₂ᵗ): `(β₁ / (1 - β₁ β₁ᵗ), (1 - β₁) / (1 - β₁ᵗ),
+    β₂ / (1 - β₂ᵗ))`. Factors, not divisions: per-parameter numbers (see `debias`), also what the fused CPU kernel
+    is given per parameter (`optim._engine.fused_kinds`)."""
+    return b1 / (1 - b1 * bt[0]), (1 - b1) / (1 - bt[0]), b2 / (1 - bt[1])
+
+
 class NAdam(StateDtypes, Rule):
     """Nesterov Adam: `m`, `v` as in Adam, then
     `step = η (β₁ m / (1 - β₁ bt₁) + (1 - β₁) g / (1 - bt₁)) / (√(β₂ v / (1 - bt₂)) + ε)`.
@@ -357,9 +371,8 @@ class NAdam(StateDtypes, Rule):
         bt = state[2]
         b1, b2 = pair_of(self.beta, x)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
-        # Factors of m and g, not divisions: per-parameter numbers (see `debias`).
-        num = m * (b1 / (1 - b1 * bt[0])) + dx * ((1 - b1) / (1 - bt[0]))
-        step = num / (jnp.sqrt(v * (b2 / (1 - bt[1]))) + eps_of(self.eps, x)) * as_compute(self.lr, x)
+        cm, cg, cv = nadam_factors(b1, b2, bt)
+        step = (m * cm + dx * cg) / (jnp.sqrt(v * cv) + eps_of(self.eps, x)) * as_compute(self.lr, x)
         return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
 
 

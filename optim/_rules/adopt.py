@@ -24,6 +24,12 @@ class ADOPTState(NamedTuple):
     t: Any               # the number of steps taken, int32 (0: the next one only sets nu)
 
 
+def clip_bound(t, dtype):
+    """ADOPT's clip of the normalised gradient at step `t` (from 0): `t^(1/4)`, in `dtype`. Also what the fused CPU
+    kernel is given per parameter (`optim._engine.fused_kinds`)."""
+    return t.astype(dtype) ** 0.25
+
+
 class ADOPT(Rule):
     """ADOPT: the first step only sets `v ← |g|²` (no step); every later step `t = 1, 2, ...` normalises the
     gradient by the previous second moment, `u = clip(g / max(√v, ε), -t^¼, t^¼)`, then `m ← β₁ m + (1 - β₁) u`,
@@ -81,7 +87,7 @@ class ADOPT(Rule):
         b1, b2 = pair_of(self.beta, x)
         u = dx / jnp.maximum(jnp.sqrt(v), eps_of(self.eps, x))
         if self.use_clipping:
-            c = t.astype(b1.dtype) ** 0.25
+            c = clip_bound(t, b1.dtype)
             u = jnp.clip(u, -c, c)
         new_m = b1 * m + (1 - b1) * u
         ahead = b1 * new_m + (1 - b1) * u if self.nesterov else new_m
