@@ -301,9 +301,10 @@ class Kernel(Strategy):
                 if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
                     return "an EMA average that is not a float32 array"
                 wide = wide + [avg]
-            for a in wide:
+            # The loops are compiled for two state dtypes: a rule's third array (AMSGrad's) has its second's.
+            for j, a in enumerate(wide):
                 if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or (
-                        kind == kinds.AMSGRAD and a is wide[2] and a.dtype != wide[1].dtype):
+                        2 <= j < kinds.ARRAYS[kind] and a.dtype != wide[1].dtype):
                     return "a state array of another shape or dtype"
                 if traced_sharded(a):
                     return "a sharded state array"

@@ -19,13 +19,13 @@ from .._rules.adopt import clip_bound
 from .._rules.moments import debias
 from .._rules.protocol import as_compute, eps_of, formula_of
 
-__all__ = ["AMSGRAD", "ARRAYS", "PACKED", "kind_of", "scalars"]
+__all__ = ["ARRAYS", "PACKED", "kind_of", "scalars"]
 
-(_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, AMSGRAD,
+(_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD,
  _RADAM, _ADOPT, _ADOPT_NESTEROV) = range(14)
 ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ) [, t])
 # The state arrays per kind (AMSGrad's third has the second's dtype).
-ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, AMSGRAD: 3, _ADOPT: 2,
+ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _AMSGRAD: 3, _ADOPT: 2,
           _ADOPT_NESTEROV: 2, **dict.fromkeys(ADAMS, 2)}
 # The packed leaves after the arrays: (β₁ᵗ, β₂ᵗ), and RAdam's and ADOPT's t.
 PACKED = {**dict.fromkeys(ARRAYS, 0), **dict.fromkeys(ADAMS, 1), _RADAM: 2, _ADOPT: 1, _ADOPT_NESTEROV: 1}
@@ -39,7 +39,7 @@ def kind_of(rule: Any) -> int | None:
 
 # Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
 _KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
-          "adabelief": _ADABELIEF, "amsgrad": AMSGRAD, "radam": _RADAM, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
+          "adabelief": _ADABELIEF, "amsgrad": _AMSGRAD, "radam": _RADAM, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
           "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred"), "adopt": (_ADOPT, _ADOPT_NESTEROV, "nesterov")}
 
 
