@@ -43,6 +43,12 @@ _KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCE
           "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred"), "adopt": (_ADOPT, _ADOPT_NESTEROV, "nesterov")}
 
 
+# Per formula the rule's field of decay rates ("beta": (β₁, β₂); "rho": ρ, in b1; None) and whether it has an ε.
+_HYPERS = {"adam": ("beta", True), "adamw": ("beta", True), "nadam": ("beta", True), "adabelief": ("beta", True),
+           "amsgrad": ("beta", True), "radam": ("beta", True), "adopt": ("beta", True), "lion": ("beta", False),
+           "rmsprop": ("rho", True), "momentum": ("rho", False), "descent": (None, False)}
+
+
 def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array,
             ok: jax.Array | None) -> tuple:
     """The `(members, 16)` float32 scalars of one call of `plan` (optim._engine.fused's `_Plan`; `x`: a member's
@@ -51,10 +57,11 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
     powers, RAdam's and ADOPT's t) as pack rows: `[(group, leaf, rows of the pack, values)]` (the old ones where
     `ok`, a flag per member, is false)."""
     rule, writes = plan.core, []
-    # [lr, b1, b2, eps] as far as the rule has them (ρ is b1); the rest 0 unless set below.
-    b = [rule.rho, 0.0] if hasattr(rule, "rho") else list(getattr(rule, "beta", ()))
-    col = dict(zip(("lr", "b1", "b2", "eps"), [as_compute(rule.lr, x), *(as_compute(v, x) for v in b)]))
-    if hasattr(rule, "eps"):
+    # lr, then the formula's decay rates (b1, b2; ρ in b1) and ε; the rest 0 unless set below.
+    field, has_eps = _HYPERS[formula_of(rule)]
+    rates = () if field is None else getattr(rule, field) if field == "beta" else (getattr(rule, field),)
+    col = {"lr": as_compute(rule.lr, x), **{k: as_compute(v, x) for k, v in zip(("b1", "b2"), rates)}}
+    if has_eps:
         col["eps"] = eps_of(rule.eps, x)
     # The clip factor, the chain's last Scale (the step times f), an EMA's decay (its average is float32), the gate.
     col.update(gs=scale, f=as_compute(plan.scale.f, x) if plan.scale is not None else 1.0,
