@@ -27,8 +27,8 @@ WRAPPED = ["optim jit adamw", "optim jit skipnonfinite(adamw)", "optim jit ema(a
            "optim jit nadam", "optim jit clip+adamw", "optim jit skipnonfinite(clip+adamw)", "optax adamw",
            "optax apply_if_finite(adamw)", "optax adamw+ema", "optax clip+adamw", "optax apply_if_finite(clip+adamw)",
            # The rules the kernel runs since the third round, on the kernel and on XLA's path, and optax's.
-           *[f"{who} {rule}" for rule in ("adabelief", "amsgrad", "radam", "adopt", "rmsprop", "rmsprop centred")
-             for who in ("optim jit", "optim jit xla", "optax")]]
+           *[f"{who} {rule}" for rule in ("adabelief", "amsgrad", "radam", "adopt", "rmsprop", "rmsprop centred",
+                                          "ademamix") for who in ("optim jit", "optim jit xla", "optax")]]
 REFERENCE = "optax"
 
 
@@ -226,7 +226,8 @@ def _optim_rule(name: str):
             "nadam": optim.NAdam(LR), "clip+adamw": clipped,
             "skipnonfinite(clip+adamw)": optim.SkipNonFinite(clipped), "adabelief": optim.AdaBelief(LR),
             "amsgrad": optim.AMSGrad(LR), "radam": optim.RAdam(LR), "adopt": optim.ADOPT(LR),
-            "rmsprop": optim.RMSProp(LR), "rmsprop centred": optim.RMSProp(LR, centred=True)}[name]
+            "rmsprop": optim.RMSProp(LR), "rmsprop centred": optim.RMSProp(LR, centred=True),
+            "ademamix": optim.AdEMAMix(LR)}[name]
 
 
 class OptimJitRule(OptimJit):
@@ -265,6 +266,7 @@ class OptaxRule(Optax):
               "optax radam": lambda: optax.radam(LR, threshold=4.0), "optax adopt": lambda: optax.contrib.adopt(LR),
               "optax rmsprop": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False),
               "optax rmsprop centred": lambda: optax.rmsprop(LR, decay=0.9, eps=1e-8, eps_in_sqrt=False, centered=True),
+              "optax ademamix": lambda: optax.contrib.ademamix(LR),
               }.get(name, lambda: optax.adamw(LR, weight_decay=1e-4))()
         if "clip+" in name:
             tx = optax.chain(optax.clip_by_global_norm(1.0), tx)

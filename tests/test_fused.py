@@ -64,6 +64,9 @@ RULES = {
     "ADOPT nesterov, unclipped": optim.ADOPT(0.01, beta=(0.9, 0.99), nesterov=True, use_clipping=False),
     "RMSProp": optim.RMSProp(0.01),
     "RMSProp centred": optim.RMSProp(0.01, rho=0.8, eps=1e-6, centred=True),
+    "AdEMAMix": optim.AdEMAMix(0.01, weight_decay=0.1),
+    # The paper's α warmup, and a β₃ that moves: both are numbers of the step, given to the kernel per call.
+    "AdEMAMix, schedules": optim.AdEMAMix(0.01, beta3=optim.Linear(0.9, 0.999, 4), alpha=optim.Linear(0.0, 5.0, 4)),
     "Lion": optim.Lion(0.01),
     "Momentum": optim.Momentum(0.01, mu_dtype=jnp.bfloat16),
     "Descent": optim.Descent(0.1),
@@ -90,6 +93,8 @@ RULES = {
     "SkipNonFinite(EMA(AMSGrad))": optim.SkipNonFinite(optim.EMA(optim.AMSGrad(0.01), decay=0.9)),
     "SkipNonFinite(RAdam)": optim.SkipNonFinite(optim.RAdam(0.01)),
     "EMA(ADOPT)": optim.EMA(optim.ADOPT(0.01), decay=0.9),
+    "SkipNonFinite(chain(ClipGlobalNorm, AdEMAMix))": optim.SkipNonFinite(optim.chain(
+        optim.ClipGlobalNorm(5.0), optim.AdEMAMix(0.01))),
 }
 
 
@@ -236,7 +241,7 @@ def test_finite_check():
 
 
 @pytest.mark.parametrize("name", ["Adam", "Lion", "EMA(AdamW)", "chain(Adam, Scale)", "AdaBelief", "AMSGrad", "RAdam",
-                                  "RMSProp centred", "ADOPT"])
+                                  "RMSProp centred", "ADOPT", "AdEMAMix"])
 def test_fused_bfloat16_parameters(name, monkeypatch):
     rule = RULES[name]
     state, m = train(rule, jnp.bfloat16, jit=True, monkeypatch=monkeypatch)
@@ -441,6 +446,7 @@ rules = {
     "amsgrad bf16 nu": optim.AMSGrad(0.01, nu_dtype=jnp.bfloat16),
     "radam": optim.RAdam(0.01, beta=(0.9, 0.9)),
     "adopt nesterov": optim.ADOPT(0.01, nesterov=True),
+    "ademamix": optim.AdEMAMix(0.01, weight_decay=0.1),
     "lion": optim.Lion(0.01),
     "ema(momentum)": optim.EMA(optim.Momentum(0.01, mu_dtype=jnp.bfloat16), decay=0.9),
     "clip adamw scale": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1, couple=False),

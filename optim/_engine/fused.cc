@@ -7,17 +7,18 @@
 // chunk completes, so no thread waits for another.
 //
 // Operands: `scalars` (members, 16) float32, one row per member:
-//   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, flag, ...] where
+//   [lr, b1, b2, eps, c1, c2, wd, gs, f, d, ok, k2, flag, b3, ...] where
 //   Adam, AdamW: c1, c2 the bias corrections 1/(1 - b^t); NAdam: c1 = b1/(1 - b1 b1^t), k2 = (1 - b1)/(1 - b1^t),
 //   c2 = b2/(1 - b2^t); AdaBelief as Adam (wd 0); RAdam as Adam, k2 its rectification r where flag != 0;
 //   ADOPT: lr, b1, b2, eps, c1 the clip t^(1/4) (inf: none), flag its first step; AMSGrad: lr, b1, b2, eps;
+//   AdEMAMix: as AdamW (decay coupled), k2 its alpha, b3 the slow moment's decay;
 //   RMSProp (plain, centred): lr, rho (in b1), eps; Lion: lr, b1, b2; Momentum: lr, rho (in b1); Descent: lr;
 //   gs scales the gradient (a chain's ClipGlobalNorm factor, else 1), f the step (a chain's last `Scale`, else 1),
 //   d is the decay of an EMA of the new parameter (attribute `ema`), ok = 0 skips the member (SkipNonFinite,
 //   SkipLargeUpdates: its parameter and state keep their values, and in place nothing is written);
 // then B sets of state stacks (Adam, NAdam, RAdam, ADOPT: m, v; AdaBelief: m, s; AMSGrad: m, v, its running
-// maximum (of v's dtype); RMSProp: q, centred also l; Lion: m; Momentum: v; Descent: none; then, with `ema`, the
-// float32 average), each stack (its size, n);
+// maximum (of v's dtype); AdEMAMix: m, the slow moment, v (the parameter's dtype); RMSProp: q, centred also l;
+// Lion: m; Momentum: v; Descent: none; then, with `ema`, the float32 average), each stack (its size, n);
 // then the members' parameters x_1..x_k, n elements each, then their gradients: per member `parts[r]` (1 or 2)
 // arrays of n elements, summed here (a tied parameter's gradients at its positions: summing them here saves
 // writing the sum and reading it back), then per member `mirrors[r]` arrays of n elements (the model's other

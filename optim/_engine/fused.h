@@ -27,14 +27,15 @@ namespace optim_kernel {
 
 enum Kind : int64_t {
   kAdam = 0, kAdamWCoupled = 1, kAdamWDecoupled = 2, kLion = 3, kMomentum = 4, kDescent = 5, kNAdam = 6,
-  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10, kRAdam = 11, kADOPT = 12, kADOPTNesterov = 13
+  kAdaBelief = 7, kRMSProp = 8, kRMSPropCentred = 9, kAMSGrad = 10, kRAdam = 11, kADOPT = 12, kADOPTNesterov = 13,
+  kAdEMAMix = 14
 };
-constexpr int64_t kLastKind = kADOPTNesterov;
+constexpr int64_t kLastKind = kAdEMAMix;
 constexpr int64_t kWidth = 16;   // scalars per member
 
 constexpr int StateCount(int64_t kind) {
   switch (kind) {
-    case kAMSGrad: return 3;
+    case kAMSGrad: case kAdEMAMix: return 3;
     case kAdam: case kAdamWCoupled: case kAdamWDecoupled: case kNAdam: case kAdaBelief: case kRMSPropCentred:
     case kRAdam: case kADOPT: case kADOPTNesterov:
       return 2;

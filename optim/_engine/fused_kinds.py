@@ -22,11 +22,12 @@ from .._rules.protocol import as_compute, eps_of, formula_of
 __all__ = ["ARRAYS", "PACKED", "kind_of", "scalars"]
 
 (_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD,
- _RADAM, _ADOPT, _ADOPT_NESTEROV) = range(14)
-ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM)     # states (m, v, packed (β₁ᵗ, β₂ᵗ) [, t])
-# The state arrays per kind (AMSGrad's third has the second's dtype).
-ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _AMSGRAD: 3, _ADOPT: 2,
-          _ADOPT_NESTEROV: 2, **dict.fromkeys(ADAMS, 2)}
+ _RADAM, _ADOPT, _ADOPT_NESTEROV, _ADEMAMIX) = range(15)
+# States (arrays, then packed (β₁ᵗ, β₂ᵗ) [, t]).
+ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM, _ADEMAMIX)
+# The state arrays per kind (a third has the second's dtype: AMSGrad's maximum, AdEMAMix's v).
+ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _ADOPT: 2, _ADOPT_NESTEROV: 2,
+          **dict.fromkeys(ADAMS, 2), _AMSGRAD: 3, _ADEMAMIX: 3}
 # The packed leaves after the arrays: (β₁ᵗ, β₂ᵗ), and RAdam's and ADOPT's t.
 PACKED = {**dict.fromkeys(ARRAYS, 0), **dict.fromkeys(ADAMS, 1), _RADAM: 2, _ADOPT: 1, _ADOPT_NESTEROV: 1}
 
@@ -40,13 +41,14 @@ def kind_of(rule: Any) -> int | None:
 # Per formula its kind, or (kind, kind where the rule's structural flag is set, the flag).
 _KINDS = {"adam": _ADAM, "lion": _LION, "momentum": _MOMENTUM, "descent": _DESCENT, "nadam": _NADAM,
           "adabelief": _ADABELIEF, "amsgrad": _AMSGRAD, "radam": _RADAM, "adamw": (_ADAMW, _ADAMW_COUPLED, "couple"),
-          "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred"), "adopt": (_ADOPT, _ADOPT_NESTEROV, "nesterov")}
+          "rmsprop": (_RMSPROP, _RMSPROP_CENTRED, "centred"), "adopt": (_ADOPT, _ADOPT_NESTEROV, "nesterov"),
+          "ademamix": _ADEMAMIX}
 
 
 # Per formula the rule's field of decay rates ("beta": (β₁, β₂); "rho": ρ, in b1; None) and whether it has an ε.
 _HYPERS = {"adam": ("beta", True), "adamw": ("beta", True), "nadam": ("beta", True), "adabelief": ("beta", True),
            "amsgrad": ("beta", True), "radam": ("beta", True), "adopt": ("beta", True), "lion": ("beta", False),
-           "rmsprop": ("rho", True), "momentum": ("rho", False), "descent": (None, False)}
+           "rmsprop": ("rho", True), "momentum": ("rho", False), "descent": (None, False), "ademamix": ("beta", True)}
 
 
 def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: tuple, scale: jax.Array,
@@ -68,11 +70,14 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
                d=plan.ema.decay if plan.ema is not None else 0.0, ok=1.0 if ok is None else ok)
     if kind in ADAMS:
         b1, b2 = col["b1"], col["b2"]
-        bt, writes = _pack_step(call, flat, packs, 2, lambda bt: bt * jnp.stack([b1, b2]).astype(bt.dtype), ok)
+        bt, writes = _pack_step(call, flat, packs, ARRAYS[kind],
+                                lambda bt: bt * jnp.stack([b1, b2]).astype(bt.dtype), ok)
         bt = bt.astype(jnp.float32)
         col.update(zip(("c1", "c2"), debias(bt.T)))
-        if kind in (_ADAMW, _ADAMW_COUPLED):
+        if kind in (_ADAMW, _ADAMW_COUPLED, _ADEMAMIX):
             col["wd"] = as_compute(rule.weight_decay, x)
+        if kind == _ADEMAMIX:    # the slow moment's weight and decay
+            col.update(k2=as_compute(rule.alpha, x), b3=as_compute(rule.beta3, x))
         if kind == _NADAM:       # NAdam's factors of m, of g and of v
             col.update(zip(("c1", "k2", "c2"), nadam_factors(b1, b2, bt.T)))
         if kind == _RADAM:       # RAdam's rectification r (in k2), and whether this step is rectified
@@ -96,7 +101,7 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
 
 
 # The columns of the kernel's scalars (optim/_engine/fused.cc's Scalars16).
-_COLUMNS = ("lr", "b1", "b2", "eps", "c1", "c2", "wd", "gs", "f", "d", "ok", "k2", "flag", "", "", "")
+_COLUMNS = ("lr", "b1", "b2", "eps", "c1", "c2", "wd", "gs", "f", "d", "ok", "k2", "flag", "b3", "", "")
 
 
 def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.Array | None) -> tuple:

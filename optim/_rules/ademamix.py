@@ -70,6 +70,7 @@ class AdEMAMix(Rule):
     [0.79995, 2.20005]
     """
 
+    _formula = "ademamix"
     lr: Hyper = 1e-3
     beta: tuple[Hyper, Hyper] = (0.9, 0.999)
     beta3: Hyper = 0.9999
