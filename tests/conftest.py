@@ -13,9 +13,12 @@ import os
 # any other overlap (tests/parallel_cases.py does the same for collectives).
 os.environ.setdefault("PJRT_NPROC", str(max(32, os.cpu_count() or 1)))
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np
+import pytest  # noqa: E402
 
 
 def close(a, b, rtol=1e-6, atol=1e-6, err_msg=""):
@@ -47,6 +50,38 @@ def counted_update():
         return optim.update(state, model, grads)
 
     return step, traces
+
+
+# ------------------------------------------------------------------------------------------ compiled programs
+# Every program XLA:CPU compiles maps its code and data into the process (three mappings per piece), and JAX's
+# caches keep them for the rest of the session: test_stacking.py alone leaves 15k mappings. Linux caps a process
+# at vm.max_map_count (65530 by default), and the whole suite in one process passed it (then XLA's next compile
+# aborted or crashed, at the same test in two CI runs). So JAX's caches are cleared after each test module, and
+# after any test that leaves more than 40k mappings.
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:       # not Linux
+        return 0
+
+
+def _release_compiled_programs() -> None:
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_of_the_module():
+    yield
+    _release_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_of_the_test():
+    yield
+    if _mappings() > 40_000:
+        _release_compiled_programs()
 
 
 # ------------------------------------------------------------------------------------------- background runs
