@@ -175,8 +175,8 @@ def test_wheel_has_the_package_the_marker_the_kernel_and_the_metadata(dist):
     assert [n for n in names if "_fused_kernel" in n and n.endswith(".so")] == ["optim/_engine/_fused_kernel.so"]
     # Stripped: no debug information nor symbol table. The element loops are compiled three times (baseline x86-64,
     # AVX2 and AVX-512, chosen at load: optim/_engine/fused_loops.inc), 6.9 MB stripped for 15 kinds (3.1 MB
-    # compressed; 0.2 MB a kind, 0.6 MB for AdEMAMix's three arrays). The baseline build at -O2 would save 1.4 MB but runs Adam 2.4x slower
-    # than at -O3. With its debug information (-g) the object file is 50 MB.
+    # compressed; 0.2 MB a kind, 0.6 MB for AdEMAMix's three arrays). The baseline build at -O2 would save 1.4 MB
+    # but runs Adam 2.4x slower than at -O3. With its debug information (-g) the object file is 50 MB.
     assert b".debug_info" not in kernel and b".symtab" not in kernel and len(kernel) < 8_000_000, len(kernel)
     assert set(record) == {"source_sha256", "flags_sha256", "jaxlib", "ffi_api"}, record
     assert _modules() <= names, sorted(_modules() - names)
