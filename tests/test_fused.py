@@ -144,8 +144,11 @@ def nan_at(t, m):
     return g
 
 
-@pytest.mark.parametrize("mode", ["eager", "donate", "jit"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+# float32 in the three modes; bfloat16 beside (eager) and in place (jit): donating eagerly runs the same in-place
+# loops as the jit.
+@pytest.mark.parametrize("dtype, mode", [(jnp.float32, "eager"), (jnp.float32, "donate"), (jnp.float32, "jit"),
+                                         (jnp.bfloat16, "eager"), (jnp.bfloat16, "jit")],
+                         ids=["float32-eager", "float32-donate", "float32-jit", "bfloat16-eager", "bfloat16-jit"])
 @pytest.mark.parametrize("name", ["SkipNonFinite(AdamW)", "EMA(SkipNonFinite(chain(ClipGlobalNorm, Lion, Scale)))",
                                   "SkipNonFinite(SkipLargeUpdates(EMA(Momentum)))", "SkipNonFinite(EMA(AMSGrad))",
                                   "SkipNonFinite(RAdam)"])
