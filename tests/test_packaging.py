@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -366,6 +367,22 @@ def test_a_kernel_built_before_is_rebuilt_when_its_source_or_jaxlib_changes(tmp_
     assert not kernel.exists() and not record.exists()
     build(fake)
     assert json.loads(record.read_text())["source_sha256"] != first["source_sha256"]
+
+
+def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    """`_run` kills the whole process group at the timeout: killing only the command (as `subprocess.run` does)
+    left `make dist`'s compiler running through the tests after it."""
+    pid_file = tmp_path / "pid"
+    with pytest.raises(AssertionError, match="ran past 1 s"):
+        _run(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=1)
+    pid = int(pid_file.read_text())
+    for _ in range(50):        # killed, it is reaped by init in a moment
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "\tZ" in status.read_text().split("State:", 1)[1].split("\n", 1)[0]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the command's child {pid} is still running")
 
 
 def test_the_kernels_refusal_rule():
