@@ -7,6 +7,8 @@ fed the summed gradient of its tied positions; optim must give exactly that, and
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -437,6 +439,105 @@ def test_to_optax_explicit_transposed_tie():
         ref = {"e": ref["e"] - 0.1 * jax.grad(lambda e: lossf({"emb": e, "head": e.T}))(ref["e"])}
     close(out["emb"], ref["e"], atol=1e-7)
     close(out["head"], ref["e"].T, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ to_optax: traced init
+# optax users write `jax.jit(tx.init)(params)` and `jax.eval_shape(tx.init, params)` (the target of an orbax
+# restore); a trace cannot see identity, so these must work on a model of same-shaped leaves (every transformer).
+@pytest.fixture
+def fresh_trace_warning(monkeypatch):
+    """`setup` warns about possible ties under a trace once per model structure in a process: start from none."""
+    import sys
+
+    from optim._core.cache import LRU
+    monkeypatch.setattr(sys.modules["optim._core.setup"], "_WARNED_TRACED", LRU(64), raising=False)
+
+
+def _two_same_shaped():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (3, 4), jnp.float32), "w2": jax.random.normal(k2, (3, 4), jnp.float32)}
+
+
+def _trace_warnings(record):
+    return [r for r in record if issubclass(r.category, UserWarning) and "inside a traced function" in str(r.message)]
+
+
+def test_to_optax_init_under_jit_and_eval_shape_works_and_steps_as_an_eager_init(fresh_trace_warning):
+    params = _two_same_shaped()
+    grads = {"w1": jnp.full((3, 4), 0.5), "w2": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)}
+    tx = to_optax(optim.Adam(1e-3))
+    with pytest.warns(UserWarning, match=r"inside a traced function .* leaves 'w1' and 'w2' \(float32\[3, 4\]\) "
+                                         r"could be one array .* to_optax\(rule, ties=\.\.\.\)") as rec:
+        traced = jax.jit(tx.init)(params)
+    assert len(_trace_warnings(rec)) == 1                      # once, not again for eval_shape on this structure
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        abstract = jax.eval_shape(tx.init, params)
+    assert _trace_warnings(again) == []
+    eager = tx.init(params)
+    assert traced.ties() == {} and len(traced) == 2
+    assert jax.tree.structure(abstract) == jax.tree.structure(eager)           # an orbax restore target
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract)] == \
+        [(a.shape, a.dtype) for a in jax.tree.leaves(eager)]
+    step = jax.jit(tx.update)
+    u_traced, s_traced = step(grads, traced, params)
+    u_eager, s_eager = step(grads, eager, params)
+    for k in params:
+        close(u_traced[k], u_eager[k], rtol=0, atol=0)
+    close(s_traced["w2"].state[0], s_eager["w2"].state[0], rtol=0, atol=0)
+
+
+def test_to_optax_traced_init_uses_given_or_eagerly_found_ties_without_warning(fresh_trace_warning):
+    w = jnp.array([1.0, 2.0, 3.0])
+    tied = {"emb": w, "head": w, "b": jnp.zeros(3)}
+    given = to_optax(optim.Adam(1e-3), ties={"head": "emb"})
+    seen = to_optax(optim.Adam(1e-3))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert jax.jit(given.init)(tied).ties() == {"emb": ("head",)}
+        assert jax.eval_shape(given.init, tied).ties() == {"emb": ("head",)}
+        assert seen.init(tied).ties() == {"emb": ("head",)}              # eager: found by identity ...
+        assert jax.jit(seen.init)(tied).ties() == {"emb": ("head",)}     # ... and reused under a trace
+        assert jax.eval_shape(seen.init, tied).ties() == {"emb": ("head",)}
+        untied = {"emb": w, "head": jnp.array(w), "b": jnp.zeros(3)}
+        assert seen.init(untied).ties() == {}                            # the last eager init's ties count
+        assert jax.jit(lambda p: seen.init(p))(untied).ties() == {}     # (jit(seen.init) keeps its trace)
+    assert _trace_warnings(rec) == []
+    # a model of other shapes is not the one the eager init saw: treated as untied, with the warning
+    with pytest.warns(UserWarning, match="inside a traced function"):
+        assert jax.jit(seen.init)({"emb": jnp.ones(2), "head": jnp.ones(2), "b": jnp.zeros(3)}).ties() == {}
+
+
+def test_to_optax_jitted_init_and_update_match_optax_adam():
+    # optax's transform_test pattern (`state = jax.jit(tx.init)(params)`, then `jax.jit(tx.update)`), ported onto
+    # to_optax for a params dict of two equal-shaped leaves, which a traced init cannot tell from a tie
+    params = _two_same_shaped()
+    lossf = lambda p: jnp.sum(jnp.sin(p["w1"]) * p["w2"]) + jnp.sum(p["w2"] ** 2)
+    ours, ref = to_optax(optim.Adam(1e-3)), optax.adam(1e-3)
+
+    def run(tx):
+        p = params
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            state = jax.jit(tx.init)(p)
+
+        @jax.jit
+        def step(p, state):
+            updates, state = tx.update(jax.grad(lossf)(p), state, p)
+            return optax.apply_updates(p, updates), state, updates
+
+        out = []
+        for _ in range(5):
+            p, state, updates = step(p, state)
+            out.append((p, updates))
+        return out
+
+    mine, theirs = run(ours), run(ref)
+    for (p, u), (rp, ru) in zip(mine, theirs):
+        for k in params:
+            close(u[k], ru[k], rtol=1e-4, atol=1e-7)     # optax rounds 1 - b2 from Python's 0.001 (see below)
+            close(p[k], rp[k], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(mine[-1][0]["w1"], mine[-1][0]["w2"])       # two parameters, not one
 
 
 # ------------------------------------------------------------------------------------------ to_optax in flax NNX

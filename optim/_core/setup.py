@@ -13,6 +13,7 @@ from .._engine.strategies import wide_rules
 from .._rules.hyper import canonical_numbers
 from .._engine.stack import init_stack, placement
 from .._rules.protocol import is_rule
+from .cache import LRU
 from .state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from .ties import tie_groups, tie_positions
 from .tree import (PyTree, canonical_dtype, describe, is_trainable, match_positions, show, suggest_pattern,
@@ -115,11 +116,12 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     """Initialise optimiser state for every trainable leaf of `model`.
 
     Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group). Inside a
-    traced function (`jit`, `vmap`, `grad`) each array argument becomes its own tracer, so one array passed in
-    at two positions arrives as two objects: there, a model with two distinct traced leaves of one shape and
-    dtype (which might be such a tie) is a `ValueError` unless `ties=` says which are tied (`ties={}`: none);
-    the explicit ties are then kept, and a tracer at several positions (a model built inside the trace) is
-    still found by identity.
+    traced function (`jit`, `vmap`, `grad`, `eval_shape`) each array argument becomes its own tracer, so one
+    array passed in at two positions arrives as two objects and identity cannot see the tie: there, distinct
+    traced leaves of one shape and dtype (which might be such a tie) are treated as separate parameters, with a
+    `UserWarning` naming two of them, once per model structure (tree structure) in a process, unless `ties=`
+    says which are tied (`ties={}`: none; no warning then). The explicit ties are kept, and a tracer at several
+    positions (a model built inside the trace) is still found by identity.
     `ties` adds explicit ones: `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at
     `path` is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through `f`,
     and after each step it is recomputed as `f(new canonical)`). Trainable leaves are jax / numpy arrays of a
@@ -182,7 +184,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
     _check_ties_form(ties)
     if traced and ties is None:
-        _check_traced_ties(leaves, trainable, paths)
+        _warn_traced_ties(leaves, trainable, paths, treedef)
     if ties:
         clash = set(paths) - unique_index(paths).keys()     # dotted names that several leaves share
         for p in [q for k, v in ties.items() for q in (k, v if isinstance(v, str) else v[0])]:
@@ -308,25 +310,42 @@ def _check_devices(s: Any, x: Any, path: str) -> None:
                          "(NamedSharding(x.sharding.mesh, spec))")
 
 
-def _check_traced_ties(leaves: list, trainable: list, paths: Any) -> None:
-    """`setup` inside a traced function (jit, vmap, grad) without `ties=`: a `ValueError` when a tie could have
-    been lost. Each array argument of a traced function becomes its own tracer, so one array at two positions of
-    a model passed in arrives as two objects, and identity no longer finds the tie (the copies would train
-    apart). A tracer at several positions (a model built inside the trace) is still one object, and leaves of
-    different shapes or dtypes cannot be tied; so only distinct traced trainable leaves of one shape and dtype
-    are ambiguous. `ties=` (`{}` for none) says which are tied, and is then what `setup` uses."""
+# Model structures (treedefs) already warned about by `_warn_traced_ties`. 64: a program traces setup for a few
+# model structures; past that, evicting one only means its warning may be given once more.
+_WARNED_TRACED = LRU(64)
+
+
+def _warn_traced_ties(leaves: list, trainable: list, paths: Any, treedef: Any) -> None:
+    """`setup` inside a traced function (jit, vmap, grad, eval_shape) without `ties=`: a `UserWarning` when a
+    tie could have been lost, once per model structure (`treedef`) in a process (a jitted function traces once
+    per shape, `eval_shape` on every call: one warning is enough to act on). Each array argument of a traced
+    function becomes its own tracer, so one array at two positions of a model passed in arrives as two objects,
+    and identity no longer finds the tie. A tracer at several positions (a model built inside the trace) is
+    still one object, and leaves of different shapes or dtypes cannot be tied; so only distinct traced
+    trainable leaves of one shape and dtype are ambiguous. They are treated as separate parameters (a trace
+    cannot tell, and optax-style code such as `jax.jit(tx.init)` or `jax.eval_shape(tx.init, params)` must
+    work); `ties=` (`{}` for none) says which are tied, and is then what `setup` uses, without a warning."""
     seen: dict = {}
+    pairs = []
     for i, (x, t) in enumerate(zip(leaves, trainable)):
         if not (t and isinstance(x, jax.core.Tracer)):
             continue
         j = seen.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), i)
         if leaves[j] is not x:
-            raise ValueError(
-                f"setup: called inside a traced function (jit, vmap, grad, eval_shape) on a model whose leaves "
-                f"{show(paths[j])} and {show(paths[i])} are distinct tracers of one shape and dtype ({describe(x)}): "
-                "they may be one array passed in twice (a tie), which a trace cannot see (each array argument becomes "
-                "its own tracer), and untied they would train apart. Call setup outside the traced function, or say "
-                "which leaves are tied with ties={path: canonical_path} (ties={} for none)")
+            pairs.append((j, i))
+    if not pairs or treedef in _WARNED_TRACED:
+        return
+    _WARNED_TRACED[treedef] = True
+    (j, i), more = pairs[0], len({k for pair in pairs for k in pair}) - 2
+    others = f" ({more} other leaf{'s' if more > 1 else ''} could be tied likewise)" if more > 0 else ""
+    warnings.warn(
+        f"setup: called inside a traced function (jit, vmap, grad, eval_shape), where object identity cannot be "
+        f"seen (each array argument becomes its own tracer): the leaves {show(paths[j])} and {show(paths[i])} "
+        f"({describe(leaves[i])}){others} could be one array passed in twice (a tie), and are treated as separate "
+        f"parameters. If they are tied, declare it: ties={{{paths[i]!r}: {paths[j]!r}}} (ties={{}} for none, which "
+        "also silences this warning; to_optax(rule, ties=...) for a to_optax transformation), or call setup "
+        "(or the to_optax transformation's init) once outside the traced function, where ties are found by "
+        "identity. (Warned once per model structure.)", UserWarning, stacklevel=3)
 
 
 def _check_ties_form(ties: Any) -> None:

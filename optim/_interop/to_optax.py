@@ -3,9 +3,12 @@
 
 `init(params) = optim.setup(rule, params)` and `update(grads, state, params)` = one `optim.update`, returning
 `new_params - params` as the updates, so `optax.apply_updates` gives optim's result. Ties are found by identity in
-`init` (call it outside `jit`, as optax loops do) and kept in the state's static tie map, so the update is
-tie-correct inside the user's `jax.jit` too. Flax NNX Variables given to `init` (what `nnx.Optimizer` passes)
-count as their values; one Variable object at several positions is one tied parameter.
+an eager `init` (outside `jit`, as optax loops do) and kept in the state's static tie map, so the update is
+tie-correct inside the user's `jax.jit` too. A traced `init` (`jax.jit(tx.init)`, `jax.eval_shape(tx.init, params)`)
+cannot see identity: it uses the `ties=` given to `to_optax`, else the ties an eager `init` of this transformation
+found on a model of the same structure, shapes and dtypes, else treats the leaves as untied (`setup` warns once).
+Flax NNX Variables given to `init` (what `nnx.Optimizer` passes) count as their values; one Variable object at
+several positions is one tied parameter.
 
 The rest is optax's protocol around a state that is optim's `State`: optax's complex-gradient convention, the
 rule a transformation rebuilt by `optax.inject_hyperparams` carries, and the placeholder `init` of
@@ -27,7 +30,7 @@ from .optax_checks import optax_module
 from .._core.setup import _canonical_hyper, by_path, setup
 from .._core.state import State
 from .._rules.protocol import is_rule
-from .._core.tree import PyTree, is_trainable, show
+from .._core.tree import PyTree, canonical_dtype, is_trainable, show
 from .._core.update import update
 
 __all__ = ["to_optax"]
@@ -127,6 +130,31 @@ def _placeholder_state(built: LRU, placeholder: Any) -> State:
     return treedef.unflatten([placeholder if f else 0 for f in flags])
 
 
+# ------------------------------------------------------------------------------------------ traced init
+def _signature(treedef: Any, leaves: list) -> tuple:
+    """What a traced `init` must share with an eager one to reuse its ties: the tree structure and each trainable
+    leaf's shape and dtype (a tracer has no identity, but these it has)."""
+    return treedef, tuple((tuple(np.shape(x)), canonical_dtype(x.dtype)) if is_trainable(x) else None
+                          for x in leaves)
+
+
+def _tie_map(state: State) -> dict | None:
+    """`state`'s ties as `setup`'s `ties=` (`{path: canonical_path}`, `{path: (canonical_path, f)}` for a
+    transformed copy; `{}`: none), or None where a tie's dotted path names several leaves (it cannot be said
+    by path)."""
+    lay = state.layout
+    paths, out = lay.paths, {}
+    for p in lay.params:
+        for i in p.members[1:]:
+            out[paths[i]] = paths[p.canonical]
+        for t in p.transforms:
+            out[paths[t.position]] = (paths[p.canonical], t.f)
+    if out and any(k in lay.ambiguous or (v if isinstance(v, str) else v[0]) in lay.ambiguous
+                   for k, v in out.items()):
+        return None
+    return out
+
+
 # ------------------------------------------------------------------------------------------ rebuilt rules
 def _own_rules(rule: Any, state: State, params: PyTree) -> tuple:
     """The rules `rule` gives `state`'s parameters, one per entry of `state.rules` (which `adjust` may have
@@ -180,7 +208,7 @@ def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     """An `optax.GradientTransformationExtraArgs` that runs the optim `rule`, for an existing optax loop:
 
         tx = optim.to_optax(optim.Adam(1e-3))      # or optim.to_optax(optim.from_optax(optax.adam(1e-3)))
-        opt_state = tx.init(params)                # outside jit: finds ties by object identity
+        opt_state = tx.init(params)                # eagerly: finds ties by object identity
         updates, opt_state = tx.update(grads, opt_state, params)   # inside your jax.jit as usual
         params = optax.apply_updates(params, updates)
 
@@ -193,6 +221,12 @@ def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     non-numbers). Keyword extra arguments go to the `from_optax` rules inside `rule` for that call (names in
     their `tree_args` as per-parameter trees); other transformations ignore them, as in optax.
     Use it as the whole optimiser or the last stage of an `optax.chain`: its output is a parameter change.
+
+    A traced `init` (`jax.jit(tx.init)(params)`, `jax.eval_shape(tx.init, params)`, as orbax restores build their
+    target) works, but a trace cannot see identity: it uses `ties=` when given, else the ties this
+    transformation's last eager `init` found on a model of the same structure, shapes and dtypes, else it treats
+    same-shaped leaves as separate parameters and `setup` warns once per model structure. With `ties=` (`{}`: no
+    ties) there is no warning.
 
     Complex parameters: `grads` follow optax's convention, the conjugate of JAX's gradient (what optax's own
     loops pass, so that the updates descend); `update` conjugates them back before `optim.update`, which
@@ -230,11 +264,24 @@ def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     # the layout seen last, so that a step of the usual loop costs one identity check, not hashing a treedef.
     built = LRU(8)
     last: list = [None]
+    # The tie maps eager inits found (`_tie_map`), by `_signature`, for a traced init that cannot see identity
+    # (8, as `built`).
+    found = LRU(8)
 
     def init_fn(params: PyTree) -> State:
         if _is_params_placeholder(params):
             return _placeholder_state(built, params)
-        state = setup(rule, _unwrap_variables(params), ties=ties)
+        model = _unwrap_variables(params)
+        given = ties
+        if ties is None:
+            leaves, treedef = jax.tree_util.tree_flatten(model)
+            key = _signature(treedef, leaves)
+            traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+            if traced:
+                given = found.get(key)       # None: setup treats possible ties as separate, and warns
+        state = setup(rule, model, ties=given)
+        if ties is None and not traced:
+            found[key] = _tie_map(state)
         built[state.layout.treedef] = (state.layout, *_template(state))
         last[0] = state.layout
         return state
