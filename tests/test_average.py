@@ -184,3 +184,116 @@ def test_ema_state_saves_and_donates(tmp_path):
     avg = optim.averaged(back, m2)
     close(avg["head"], optim.averaged(state, model)["head"])
     assert avg["emb"] is avg["head"]
+
+
+# ----------------------------------------------------------------------------------------------- where EMA may sit
+def _decay0(rule):
+    return optim.EMA(rule, decay=0.0)
+
+
+# With decay 0 the average is the parameter after each step; these are the placements where EMA sees the whole step.
+_SUPPORTED = {
+    "EMA(Adam)": lambda: _decay0(optim.Adam(0.05)),
+    "EMA(chain(ClipGlobalNorm, AdamW))": lambda: _decay0(optim.chain(optim.ClipGlobalNorm(1.0),
+                                                                     optim.AdamW(0.05, weight_decay=0.1))),
+    "EMA(chain(Adam, Scale))": lambda: _decay0(optim.chain(optim.Adam(0.05), optim.Scale(0.5))),
+    "EMA(chain(Momentum, ClipNorm))": lambda: _decay0(optim.chain(optim.Momentum(0.05), optim.ClipNorm(0.01))),
+    "EMA(EMA(Lion))": lambda: _decay0(_decay0(optim.Lion(0.01))),
+    "SkipNonFinite(EMA(chain(ClipGlobalNorm, AdamW)))": lambda: optim.SkipNonFinite(_decay0(optim.chain(
+        optim.ClipGlobalNorm(1.0), optim.AdamW(0.05, weight_decay=0.1)))),
+    "SkipLargeUpdates(EMA(Momentum))": lambda: optim.SkipLargeUpdates(_decay0(optim.Momentum(0.05)), sigma=0.5,
+                                                                      warmup=1),
+    "MixedPrecision(EMA(Adam))": lambda: optim.MixedPrecision(_decay0(optim.Adam(0.05))),
+    "chain(ClipGlobalNorm, EMA(AdamW))": lambda: optim.chain(optim.ClipGlobalNorm(1.0),
+                                                             _decay0(optim.AdamW(0.05, weight_decay=0.1))),
+    "chain(AccumGrad(2), EMA(Descent))": lambda: optim.chain(optim.AccumGrad(2), _decay0(optim.Descent(0.1))),
+    "chain(ClipNorm, SkipNonFinite(EMA(Adam)))": lambda: optim.chain(optim.ClipNorm(1.0),
+                                                                     optim.SkipNonFinite(_decay0(optim.Adam(0.05)))),
+    "by_path(EMA on b only)": lambda: optim.by_path({"layer.b": _decay0(optim.chain(optim.ClipNorm(1.0),
+                                                                                   optim.Adam(0.05))),
+                                                     "*": optim.chain(optim.Adam(0.05), optim.Scale(0.5))}),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_SUPPORTED))
+def test_decay_zero_averages_the_parameter_wherever_ema_may_sit(name, jit):
+    """EMA with decay 0 in every placement `setup` accepts: after each step (including AccumGrad's accumulating
+    calls and SkipLargeUpdates' skipped ones) `averaged` is exactly the model."""
+    model = {"layer": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.array([0.5, -0.25])}}
+    state = optim.setup(_SUPPORTED[name](), model)
+    step = jax.jit(optim.update) if jit else optim.update
+    m = model
+    for k in range(5):
+        g = jax.tree.map(lambda x: x * (10.0 if k == 3 else 1.0), _grads(k, model))   # k = 3: a large step
+        state, m = step(state, m, g)
+        avg = optim.averaged(state, m)
+        # Equal, to 1 ulp (rtol 2^-23): under SkipNonFinite the average is taken inside its conditional, where XLA
+        # may contract `x - step` with the step's last product into one fused multiply-add, while the model
+        # subtracts the step the conditional returned, rounded (1 ulp seen on CPU; 0 in the other placements).
+        jax.tree.map(lambda a, x: close(a, x, rtol=2.0 ** -23, atol=0, err_msg=f"{name}, step {k + 1}"), avg, m)
+    assert not np.array_equal(np.asarray(m["layer"]["b"]), np.asarray(model["layer"]["b"]))     # it moved
+
+
+_REFUSED = {
+    "chain(EMA(Adam), Scale)": (lambda: optim.chain(optim.EMA(optim.Adam(0.05)), optim.Scale(0.5)),
+                                "stage 1 of the 2", "EMA(rule=OptimiserChain(Adam(", "Scale(f=0.5)), decay=0.999)"),
+    "chain(EMA(Adam), ClipNorm)": (lambda: optim.chain(optim.EMA(optim.Adam(0.05), 0.9), optim.ClipNorm(1.0)),
+                                   "stage 1 of the 2", "EMA(rule=OptimiserChain(Adam(", "ClipNorm(", "decay=0.9)"),
+    "chain(ClipGlobalNorm, EMA(AdamW), Scale)": (
+        lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.EMA(optim.AdamW(0.05)), optim.Scale(0.5)),
+        "stage 2 of the 3", "EMA(rule=OptimiserChain(ClipGlobalNorm(max_norm=1), AdamW("),
+    "chain(SkipNonFinite(EMA(Adam)), Scale)": (
+        lambda: optim.chain(optim.SkipNonFinite(optim.EMA(optim.Adam(0.05))), optim.Scale(0.5)),
+        "stage 1 of the 2", "EMA(rule=OptimiserChain(SkipNonFinite(rule=Adam("),
+    "chain(chain(ClipGlobalNorm, EMA(Adam)), Scale)": (
+        lambda: optim.chain(optim.chain(optim.ClipGlobalNorm(1.0), optim.EMA(optim.Adam(0.05))), optim.Scale(0.5)),
+        "stage 1 of the 2", "EMA(rule=OptimiserChain(OptimiserChain(ClipGlobalNorm(max_norm=1), Adam("),
+    "SkipNonFinite(chain(EMA(Adam), Scale))": (
+        lambda: optim.SkipNonFinite(optim.chain(optim.EMA(optim.Adam(0.05)), optim.Scale(0.5))), "stage 1 of the 2"),
+    "MixedPrecision(chain(EMA(Adam), Scale))": (
+        lambda: optim.MixedPrecision(optim.chain(optim.EMA(optim.Adam(0.05)), optim.Scale(0.5))), "stage 1 of the 2"),
+    "EMA(chain(EMA(Adam), Scale))": (
+        lambda: optim.EMA(optim.chain(optim.EMA(optim.Adam(0.05)), optim.Scale(0.5))), "stage 1 of the 2"),
+    "Cautious(EMA(AdamW))": (lambda: optim.Cautious(optim.EMA(optim.AdamW(0.05, weight_decay=0.1), 0.9)),
+                             "inside Cautious, which masks", "EMA(rule=Cautious(rule=AdamW(", "decay=0.9)"),
+    "Cautious(chain(ClipGlobalNorm, EMA(AdamW)))": (
+        lambda: optim.Cautious(optim.chain(optim.ClipGlobalNorm(1.0), optim.EMA(optim.AdamW(0.05)))),
+        "inside Cautious", "EMA(rule=Cautious(rule=OptimiserChain(ClipGlobalNorm(max_norm=1), AdamW("),
+}
+
+
+@pytest.mark.parametrize("name", list(_REFUSED))
+def test_ema_that_would_average_a_point_never_taken_is_refused_at_setup(name):
+    """An EMA with something after it that changes the step (a later stage of a chain, Cautious' mask) would
+    average x minus its own rule's step: `setup` refuses it with a ValueError naming the parameter's path and
+    the form to write; that form is accepted and averages the parameter (decay 0)."""
+    make, *says = _REFUSED[name]
+    model = {"layer": {"w": jnp.ones((3, 2))}}
+    with pytest.raises(ValueError, match=r"^setup: at 'layer\.w': EMA: EMA\(rule=") as e:
+        optim.setup(make(), model)
+    msg = str(e.value)
+    assert "a point the model never takes" in msg and "An EMA must see the whole step: put it outermost, EMA(" in msg
+    for s in says:
+        assert s in msg, (s, msg)
+    # The form the message gives (its EMA with decay 0) sets up, and its average is the parameter.
+    fixed = msg.split("put it outermost, ", 1)[1].removesuffix(" (or make it the chain's last stage)")
+    rule = eval(fixed, {**vars(optim), "float32": jnp.float32})
+    rule = optim.EMA(rule.rule, decay=0.0)
+    state, m = optim.setup(rule, model), model
+    for k in range(2):
+        state, m = optim.update(state, m, _grads(k, model))
+    close(optim.averaged(state, m)["layer"]["w"], m["layer"]["w"], rtol=0, atol=0)
+
+
+def test_refused_ema_by_path_names_its_parameter():
+    """With a rule per path, the refusal names the parameter given the misplaced EMA; others may have any EMA."""
+    model = {"enc": {"w": jnp.ones(3)}, "dec": {"w": jnp.ones(2)}, "head": jnp.ones(4)}
+    rule = optim.by_path({"dec.*": optim.chain(optim.EMA(optim.Adam(0.1)), optim.Scale(0.5)),
+                          "enc.*": optim.EMA(optim.chain(optim.Adam(0.1), optim.Scale(0.5))), "*": optim.Adam(0.1)})
+    with pytest.raises(ValueError, match=r"^setup: at 'dec\.w': EMA: .* is in stage 1 of the 2 of "):
+        optim.setup(rule, model)
+    pick = lambda path, x: (optim.Cautious(optim.EMA(optim.Lion(0.1))) if path == "head"
+                            else optim.EMA(optim.Cautious(optim.Lion(0.1))))
+    with pytest.raises(ValueError, match=r"^setup: at 'head': EMA: .* is inside Cautious"):
+        optim.setup(pick, model)

@@ -249,6 +249,24 @@ def test_mixed_precision_wraps_cautious():
     close(state["w"].state.master, 1 - (0.01 * np.array([1, -1, 1, -1]) * 4 / 5 + 0.01 * 0.1), rtol=1e-6)
 
 
+def test_ema_wraps_cautious_and_is_refused_inside_it():
+    """EMA must wrap Cautious: inside it, the average would be of x minus the unmasked step, a point the model
+    never takes, so `setup` refuses it, naming the parameter's path and the form to write. Outside, with decay 0,
+    the average is the parameter after each (masked) step."""
+    model = {"enc": {"w": jnp.linspace(-1.0, 1.0, 6)}}
+    for inside in (O.Cautious(O.EMA(O.AdamW(0.1, weight_decay=0.1), decay=0.0)),
+                   O.Cautious(O.chain(O.ClipGlobalNorm(1.0), O.SkipNonFinite(O.EMA(O.Lion(0.1), decay=0.0))))):
+        with pytest.raises(ValueError, match=r"^setup: at 'enc\.w': EMA: EMA\(rule=.* is inside Cautious, which "
+                                             r"masks the step after EMA took it: .* a point the model never takes\. "
+                                             r"An EMA must see the whole step: put it outermost, "
+                                             r"EMA\(rule=Cautious\(rule="):
+            optim.setup(inside, model)
+    state, m = optim.setup(O.EMA(O.Cautious(O.AdamW(0.1, weight_decay=0.1)), decay=0.0), model), model
+    for g in _grads((6,), 4):
+        state, m = optim.update(state, m, {"enc": {"w": jnp.asarray(g)}})
+        close(optim.averaged(state, m)["enc"]["w"], m["enc"]["w"], rtol=0, atol=0)
+
+
 def test_complex_parameters_mask_with_the_real_inner_product():
     """For a complex entry, the step agrees with the gradient when Re(conj(u) g) > 0 (u and g as vectors of
     ℝ²); the gradient `update` receives is conjugated first (see optim._rules)."""

@@ -433,6 +433,29 @@ def test_return_stats_low_precision_complex_and_mixed_precision():
     assert stats["grad_norm"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("dtype, bits", [(jnp.bfloat16, (8, 7)), (jnp.float16, (5, 10))])
+def test_rounding_of_a_low_precision_parameter_is_forced_where_the_step_reads_it_back(dtype, bits, monkeypatch):
+    """The update norm and an EMA's average read the new parameter as stored: XLA allows excess precision and may
+    drop a float32 -> bfloat16 -> float32 round trip inside a fusion (XLA:GPU did: `update_norm` 0.064 for a
+    step that rounded away), so the program rounds explicitly (`reduce_precision` to the parameter's format, in
+    float32), which XLA keeps. Checked in the lowered program and, on XLA's path, in the compiled one."""
+    import re
+    from optim._engine import fused as _fused
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    x = {"w": jnp.ones((64,), dtype)}
+    g = {"w": jnp.ones((64,), dtype)}
+    want = [f"reduce_precision %\\S+, format = e{bits[0]}m{bits[1]}",              # StableHLO
+            f"reduce-precision\\(\\S+\\), exponent_bits={bits[0]}, mantissa_bits={bits[1]}"]   # compiled HLO
+    for rule, stats in [(optim.MixedPrecision(optim.Descent(1e-3)), True), (optim.EMA(optim.Descent(1e-3)), False)]:
+        state = optim.setup(rule, x)
+        lowered = jax.jit(lambda s, m, d: optim.update(s, m, d, return_stats=stats)).lower(state, x, g)
+        for pattern, text in zip(want, (lowered.as_text(), lowered.compile().as_text())):
+            assert re.search(pattern, text), (rule, pattern)
+    # a step below the parameter's resolution (half an ulp of 1 is 2⁻⁹ in bfloat16, 2⁻¹¹ in float16)
+    _, new, st = optim.update(optim.setup(optim.MixedPrecision(optim.Descent(1e-4)), x), x, g, return_stats=True)
+    assert np.array_equal(np.asarray(new["w"]), np.asarray(x["w"])) and float(st["update_norm"]) == 0.0
+
+
 def test_return_stats_adds_reductions_not_a_second_pass_over_the_gradients(monkeypatch):
     """The compiled step with stats has the same kernels as without, plus a few reductions per stack: count
     the fusions of each compiled program (a structural check, not a timing). XLA's path: with optim's fused CPU

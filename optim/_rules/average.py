@@ -15,8 +15,9 @@ from .._core.cache import memoize
 from .schedules import Hyper
 from .._engine.stack import stack_arrays
 from .._core.state import Layout, State, unwrap
-from .protocol import Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute, average_of, is_rule
-from .._core.tree import PyTree
+from .protocol import (Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute, average_of,
+                       inner_fields, is_rule, widened)
+from .._core.tree import PyTree, replace_fields
 
 __all__ = ["EMA", "averaged"]
 
@@ -33,6 +34,18 @@ class EMA(Rule):
     correct). The steps are `rule`'s; `optim.averaged(state, model)` returns the model with each parameter
     replaced by its average, to evaluate with. A call with no step for a parameter (a `None` gradient, frozen,
     an `AccumGrad` call that only accumulates, a step skipped by `SkipNonFinite`) leaves its average as is.
+
+    Where it may sit: the average is of the parameter after the whole step, which EMA knows only where nothing
+    after it changes its rule's step. So EMA goes outermost, `EMA(chain(ClipGlobalNorm(1.0), AdamW(3e-4)))`,
+    or inside wrappers that only gate or carry the whole step: `SkipNonFinite(EMA(...))`,
+    `SkipLargeUpdates(EMA(...))`, `MixedPrecision(EMA(...))` (it averages the master copy), an outer `EMA`;
+    or as the last stage of a chain, `chain(AccumGrad(4), EMA(Adam()))`. A rule per path (`by_path`, a rule
+    function) may give only some parameters an EMA. Refused, by a `ValueError` at `setup` that names the
+    parameter's path and gives the form to write: an EMA in a stage of a chain with stages after it
+    (`chain(EMA(Adam()), Scale(0.5))`, before `ClipNorm`, ...: they change the step after EMA took it) and an
+    EMA inside `Cautious` (which masks it): there it would average `x` minus its own rule's step, a point the
+    model never takes. Write `EMA(chain(Adam(), Scale(0.5)))` and `EMA(Cautious(AdamW()))`. A wrapper of your
+    own that changes the step of a rule inside it is not checked: keep EMA outside it.
 
     Args:
         rule: the rule that takes the steps (required, positional).
@@ -79,13 +92,62 @@ class EMA(Rule):
         for (_, avg), x, st, step in zip(states, xs, inner, steps):
             if step is not None:
                 d = as_compute(self.decay, avg)
-                moved = d * avg + (1 - d) * apply_step(x, step).astype(avg.dtype)
+                moved = d * avg + (1 - d) * widened(apply_step(x, step), avg.dtype)   # the value stored
                 avg = where_leading(step.ok, moved, avg) if isinstance(step, Gated) else moved
             new.append(EMAState(st, avg))
         return new, steps
 
     def average(self, state, x):
         return state[1].astype(x.dtype)
+
+
+def _emas(rule: Any) -> list:
+    """Every `EMA` in `rule` (itself, a chain's stages, a wrapper's rule: `inner_fields`), outermost first."""
+    found = [rule] if isinstance(rule, EMA) else []
+    for name in inner_fields(rule):
+        v = getattr(rule, name)
+        for r in v if isinstance(v, tuple) else (v,):
+            found += _emas(r)
+    return found
+
+
+def _without_emas(rule: Any) -> Any:
+    """`rule` with each `EMA` in it replaced by its rule (for the form an error suggests)."""
+    if isinstance(rule, EMA):
+        return _without_emas(rule.rule)
+    changes = {}
+    for name in inner_fields(rule):
+        v = getattr(rule, name)
+        changes[name] = tuple(map(_without_emas, v)) if isinstance(v, tuple) else _without_emas(v)
+    return replace_fields(rule, changes) if changes else rule
+
+
+def refuse_ema_in_chain(chain: Any) -> None:
+    """A `ValueError` where an `EMA` sits in a stage of `chain` that has stages after it (see `EMA`): called by
+    `OptimiserChain.init`, so that `setup` names the parameter's path."""
+    stages = chain.rules
+    for k, stage in enumerate(stages[:-1]):
+        found = _emas(stage)
+        if found:
+            fixed = EMA(replace_fields(chain, {"rules": tuple(map(_without_emas, stages))}), found[0].decay)
+            raise ValueError(
+                f"EMA: {found[0]!r} is in stage {k + 1} of the {len(stages)} of {chain!r}, and the stages after it "
+                "change the step: it would average the parameter minus its rule's step, a point the model never "
+                f"takes. An EMA must see the whole step: put it outermost, {fixed!r} (or make it the chain's last "
+                "stage)")
+
+
+def refuse_ema_in(wrapper: Any, rule: Any, what: str) -> None:
+    """A `ValueError` where `rule`, the rule inside `wrapper` (`Cautious`), holds an `EMA`: `wrapper` changes
+    the step after EMA took it (`what` says how). Called by the wrapper's `init`, so that `setup` names the
+    parameter's path."""
+    found = _emas(rule)
+    if found:
+        fixed = EMA(replace_fields(wrapper, {"rule": _without_emas(rule)}), found[0].decay)
+        raise ValueError(
+            f"EMA: {found[0]!r} is inside {type(wrapper).__name__}, which {what} the step after EMA took it: it "
+            "would average the parameter minus its rule's step, a point the model never takes. An EMA must see "
+            f"the whole step: put it outermost, {fixed!r}")
 
 
 def averaged(state: State, model: PyTree) -> PyTree:

@@ -14,6 +14,7 @@ from .._core.tree import replace_fields
 from .ademamix import AdEMAMix
 from .adafactor import Adafactor
 from .adam import AdamW
+from .average import refuse_ema_in
 from .layerwise import Muon
 from .protocol import Gated, Replace, Rule, apply_all, apply_one, as_compute, average_of, is_rule
 from .wrappers import MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite
@@ -84,7 +85,9 @@ class Cautious(Rule):
     - Complex parameters: `mask = Re(conj(u) g) > 0`, the sign of the real inner product of the two entries as
       vectors of ℝ² (for real ones, `u g > 0`).
     - A step of `None` stays `None`, a `Gated` one is masked inside its gate; `MixedPrecision` must wrap
-      `Cautious`, not the reverse (`MixedPrecision(Cautious(AdamW()))`).
+      `Cautious`, not the reverse (`MixedPrecision(Cautious(AdamW()))`), and so must `EMA`
+      (`EMA(Cautious(AdamW()))`): an EMA inside `Cautious` would average a point the model never takes, and
+      `setup` refuses it (a `ValueError` naming the parameter's path).
 
     C-Optim's code now divides the mask by `max(mean(mask), 1e-3)` (timm's variant); this is the paper's
     original `n / (Σ mask + 1)`.
@@ -127,6 +130,7 @@ class Cautious(Rule):
         object.__setattr__(self, "rule", rule)
 
     def init(self, x):
+        refuse_ema_in(self, self.rule, "masks")     # EMA(Cautious(rule)) is the form that averages the step taken
         return self.rule.init(x)
 
     def apply(self, state, x, dx, *dxs):

@@ -235,6 +235,19 @@ def sum_squares(a: jax.Array, axis: Any = None) -> jax.Array:
     return jnp.sum(abs2(a).astype(jnp.promote_types(real_dtype(a), jnp.float32)), axis=axis)
 
 
+def widened(a: jax.Array, dtype: Any) -> jax.Array:
+    """`a`, a value just rounded to a narrower floating dtype (a new bfloat16 parameter), as `dtype`, its rounding
+    kept. XLA allows excess precision by default: a round trip such as float32 -> bfloat16 -> float32 inside one
+    fused loop may be dropped (XLA:GPU does), so code that compares the stored value with a wider one (the update
+    norm, an average of the new parameter) would see the unrounded value. `reduce_precision` to `a`'s own
+    format, applied in the wider dtype, is an operation XLA keeps."""
+    out = a.astype(dtype)
+    if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.finfo(a.dtype).bits >= jnp.finfo(out.dtype).bits:
+        return out
+    info = jnp.finfo(a.dtype)
+    return jax.lax.reduce_precision(out, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def zeros_real(x: jax.Array) -> jax.Array:
     """Zeros of `x`'s shape in its real dtype (second moments of a complex parameter are real)."""
     return jnp.zeros(x.shape, real_dtype(x))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core.export import register_for_export
+from .average import refuse_ema_in_chain
 from .schedules import Hyper
 from .protocol import (Gated, Replace, Rule, compute_dtype, apply_all, apply_one, apply_step, average_of,
                        clip_factor, gate_state, is_rule, skip_unless, sum_squares, where)
@@ -87,6 +88,7 @@ class OptimiserChain(Rule):
         object.__setattr__(self, "rules", tuple(rules))
 
     def init(self, x):
+        refuse_ema_in_chain(self)       # an EMA with stages after it averages a point never taken (see EMA)
         return tuple(r.init(x) for r in self.rules)
 
     def apply(self, states, x, dx, *dxs):
