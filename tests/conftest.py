@@ -135,9 +135,10 @@ def pytest_sessionfinish(session, exitstatus):
             proc.kill()
 
 
-def background_run(request, tmp: _pathlib.Path, timeout: float = 400) -> tuple:
+def background_run(request, tmp: _pathlib.Path, timeout: float = 1800) -> tuple:
     """`(returncode, stdout, stderr, folder)` of the command the test's module declares for it in
-    `BACKGROUND_RUNS`: from the run started after collection, else from a run started now in `tmp`."""
+    `BACKGROUND_RUNS`: from the run started after collection, else from a run started now in `tmp`. `timeout`
+    is a hang guard only, generous: a loaded machine runs these several times slower."""
     name = request.node.name
     proc, out = _BACKGROUND.pop(name, (None, None))
     if proc is None:
@@ -166,7 +167,7 @@ def case_record(cases: dict, name: str) -> dict:
     return rec
 
 
-def background_cases(script: str, tmp: _pathlib.Path, timeout: float = 300) -> dict:
+def background_cases(script: str, tmp: _pathlib.Path, timeout: float = 1200) -> dict:
     """The records `script` wrote: from the run started after collection, else from a run started now."""
     proc, out = _BACKGROUND.pop(script, (None, None))
     if proc is None:

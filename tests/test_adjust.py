@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import optim
 from conftest import arr, close, counted_update
+from optim._engine import fused as _fused
 
 
 def hyper(x):
@@ -539,3 +540,87 @@ def test_looks_across_sees_through_wrappers_and_flags_unknown_apply_tree():
             return states, dxs
 
     assert looks_across(Mine()) == "Mine"
+
+
+# ----------------------------------------------------------------------------------------------- β and bias correction
+# The rules whose bias correction keeps the products of their decay rates (`bt`), with a β pair (β₁, β₂).
+POWER_RULES = {
+    "Adam": lambda **k: optim.Adam(0.1, **k),
+    "AdamW": lambda **k: optim.AdamW(0.1, weight_decay=0.01, **k),
+    "NAdam": lambda **k: optim.NAdam(0.1, **k),
+    "RAdam": lambda **k: optim.RAdam(0.1, **k),
+    "AdaBelief": lambda **k: optim.AdaBelief(0.1, **k),
+    "AdEMAMix": lambda **k: optim.AdEMAMix(0.1, **k),
+    "AdaMax": lambda **k: optim.AdaMax(0.1, **k),
+    "OAdam": lambda **k: optim.OAdam(0.1, **k),
+    "Lamb": lambda **k: optim.Lamb(0.1, **k),
+}
+
+
+def _steps(state, x, n, start=0):
+    for t in range(start, start + n):
+        state, x = optim.update(state, x, jnp.sin(jnp.arange(1.0, 5.0) * (t + 1)) + 0.2)
+    return state, x
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("name", sorted(POWER_RULES))
+def test_adjusted_beta_before_the_first_step_trains_as_if_given_at_setup(name, kernel, monkeypatch):
+    """`adjust(setup(R(), x), beta=b)` is `setup(R(beta=b), x)`: the bias correction starts from the β in force at
+    the first step, not the one given at setup (Adam's first step would be η/2, AdaMax's 5η)."""
+    monkeypatch.setattr(_fused, "ENABLED", kernel)
+    x = jnp.array([1.0, -2.0, 3.0, 0.5])
+    got = _steps(optim.adjust(optim.setup(POWER_RULES[name](), x), beta=(0.5, 0.9)), x, 3)[1]
+    want = _steps(optim.setup(POWER_RULES[name](beta=(0.5, 0.9)), x), x, 3)[1]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _adam_reference(betas, grads, x, lr=0.1, eps=1e-8):
+    """Adam in float64 with a β pair per step and the bias correction 1 - ∏β (the weight the moment's average
+    has put on gradients so far)."""
+    x, m, v, p1, p2 = np.array(x, np.float64), 0.0, 0.0, 1.0, 1.0
+    for (b1, b2), g in zip(betas, grads):
+        m, v, p1, p2 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, p1 * b1, p2 * b2
+        x = x - lr * (m / (1 - p1)) / (np.sqrt(v / (1 - p2)) + eps)
+    return x
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_a_mid_run_beta_change_debiases_with_the_product_of_the_betas_used(kernel, monkeypatch):
+    """Changing β mid-run (`adjust`) keeps each moment's bias correction exact: 1 - ∏β over the steps taken, the
+    total weight its average has given the gradients (optax's inject_hyperparams uses 1 - βᵗ of the new β)."""
+    monkeypatch.setattr(_fused, "ENABLED", kernel)
+    x = jnp.array([1.0, -2.0, 3.0, 0.5], jnp.float32)
+    grads = [np.sin(np.arange(1.0, 5.0) * (t + 1)) + 0.2 for t in range(5)]
+    state = optim.setup(optim.Adam(0.1), x)
+    y = x
+    for t in range(5):
+        if t == 2:
+            state = optim.adjust(state, beta=(0.5, 0.99))
+        state, y = optim.update(state, y, jnp.asarray(grads[t], jnp.float32))
+    want = _adam_reference([(0.9, 0.999)] * 2 + [(0.5, 0.99)] * 3, grads, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-6)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("name", sorted(POWER_RULES))
+def test_beta_schedules_are_accepted_by_the_adam_family(name, kernel, monkeypatch):
+    """β₁ and β₂ may be schedules, as every numeric hyperparameter (they were a TypeError in `setup`)."""
+    monkeypatch.setattr(_fused, "ENABLED", kernel)
+    x = jnp.array([1.0, -2.0, 3.0, 0.5])
+    rule = POWER_RULES[name](beta=(optim.Linear(0.5, 0.9, 4), optim.Linear(0.9, 0.999, 4)))
+    state, y = _steps(optim.setup(rule, x), x, 3)
+    assert np.all(np.isfinite(np.asarray(y))) and not np.array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_adam_with_a_beta_schedule_matches_the_float64_reference(kernel, monkeypatch):
+    monkeypatch.setattr(_fused, "ENABLED", kernel)
+    x = jnp.array([1.0, -2.0, 3.0, 0.5], jnp.float32)
+    grads = [np.sin(np.arange(1.0, 5.0) * (t + 1)) + 0.2 for t in range(5)]
+    state = optim.setup(optim.Adam(0.1, beta=(optim.Linear(0.5, 0.9, 4), 0.99)), x)
+    y = x
+    for g in grads:
+        state, y = optim.update(state, y, jnp.asarray(g, jnp.float32))
+    b1 = [0.5 + 0.4 * min(t, 4) / 4 for t in range(5)]
+    np.testing.assert_allclose(np.asarray(y), _adam_reference([(b, 0.99) for b in b1], grads, x), rtol=2e-6)

@@ -11,11 +11,15 @@ STEP_CANDIDATES = ["optim", "optax"] + (["torch"] if importlib.util.find_spec("t
 # The smoke runs start when collection ends and run beside the rest of the suite (tests/conftest.py): each is a
 # subprocess doing its own compiles, which would otherwise leave the second core idle (~2 minutes of make test).
 BACKGROUND_RUNS = {
-    "test_bench_quick_mode_runs": (["-m", "bench", "--quick", "--no-torch", "--out", "{out}/RESULTS.md"], {}),
-    "test_bench_rules_quick_mode_runs": (["-m", "bench.rules", "--quick", "--only", "adafactor", "--out",
-                                          "{out}/RULES.md"], {}),
+    # --timeout: the benchmarks' per-process limits are hang guards here, generous (their quick defaults, 60 s and
+    # 120 s, were passed on a loaded machine and the run reported a timeout instead of its rows)
+    "test_bench_quick_mode_runs": (["-m", "bench", "--quick", "--no-torch", "--timeout", "900", "--out",
+                                    "{out}/RESULTS.md"], {}),
+    "test_bench_rules_quick_mode_runs": (["-m", "bench.rules", "--quick", "--only", "adafactor", "--timeout", "900",
+                                          "--out", "{out}/RULES.md"], {}),
     "test_bench_step_quick_mode_runs": (["-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
-                                         ",".join(STEP_CANDIDATES), "--out", "{out}/RESULTS.md"], {}),
+                                         ",".join(STEP_CANDIDATES), "--timeout", "900", "--out", "{out}/RESULTS.md"],
+                                        {}),
     # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
     "test_bench_choosing_runs": (["-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds", "1",
                                   "--inner", "1", "--out", "{out}/CHOOSING.md"],

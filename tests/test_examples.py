@@ -14,7 +14,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run(script: str, *args: str, timeout: int = 240) -> str:
+def run(script: str, *args: str, timeout: int = 900) -> str:
     env = {**os.environ, "MPLBACKEND": "Agg"}
     env.pop("XLA_FLAGS", None)           # each script sets the device count it needs
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,

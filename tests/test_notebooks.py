@@ -57,7 +57,7 @@ path, kernels, name, folder = sys.argv[1:5]
 nb = nbformat.read(path, as_version=4)
 km = KernelManager(kernel_name=name,
                    kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernels], ensure_native_kernel=False))
-client = nbclient.NotebookClient(nb, km=km, timeout=240, allow_errors=False, resources={"metadata": {"path": folder}})
+client = nbclient.NotebookClient(nb, km=km, timeout=600, allow_errors=False, resources={"metadata": {"path": folder}})
 t = time.perf_counter()
 error = None
 try:

@@ -34,6 +34,11 @@ def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     A field holding a rule (`SkipNonFinite(rule)`) may be swapped only for a rule whose state has the same
     structure, shapes and dtypes for every parameter.
 
+    A decay rate changed mid-run (`adjust(state, beta=(0.5, 0.99))`, or a β schedule) takes effect at the next
+    step, and the Adam family's bias correction stays exact: each step divides by `1 - ∏β` over the β's the
+    steps actually used, the weight its moment's average has put on gradients so far (not `1 - βᵗ` of the new β,
+    which optax's `inject_hyperparams` uses). Changed before the first step, it is as if given at `setup`.
+
     String arguments are path patterns, matched as `freeze` matches them (a dotted path, a prefix of one, or an
     fnmatch pattern; a tie group is one parameter): `adjust(state, "encoder.*", lr=1e-4)` changes only the
     parameters they select, and a pattern that selects none is a `ValueError` naming it. The first time a

@@ -3,7 +3,8 @@ the per-member scalars XLA computes for it (hyperparameters, bias corrections, t
 
 A rule runs as a kind when its own class declares the formula (`Rule._formula`, see `kind_of`); its state is
 `ARRAYS[kind]` arrays of the parameter's shape, then `PACKED[kind]` small leaves kept in packs (the Adam family's
-powers (β₁ᵗ, β₂ᵗ), RAdam's and ADOPT's step numbers), whose new values are written as pack rows.
+products (β₁ᵗ, β₂ᵗ) of the bias correction, RAdam's and ADOPT's step numbers), whose new values are written as
+pack rows.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ import jax.numpy as jnp
 from .stack import row_index
 from .._rules.adam import nadam_factors, rectification
 from .._rules.adopt import clip_bound
-from .._rules.moments import debias
+from .._rules.moments import bt_next, debias
 from .._rules.protocol import as_compute, eps_of, formula_of
 
 __all__ = ["ARRAYS", "PACKED", "kind_of", "scalars"]
 
 (_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD,
  _RADAM, _ADOPT, _ADOPT_NESTEROV, _ADEMAMIX) = range(15)
-# States (arrays, then packed (β₁ᵗ, β₂ᵗ) [, t]).
+# States (arrays, then packed (∏β₁, ∏β₂) [, t]).
 ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM, _ADEMAMIX)
 # The state arrays per kind (a third has the second's dtype: AMSGrad's maximum, AdEMAMix's v).
 ARRAYS = {_LION: 1, _MOMENTUM: 1, _DESCENT: 0, _RMSPROP: 1, _RMSPROP_CENTRED: 2, _ADOPT: 2, _ADOPT_NESTEROV: 2,
           **dict.fromkeys(ADAMS, 2), _AMSGRAD: 3, _ADEMAMIX: 3}
-# The packed leaves after the arrays: (β₁ᵗ, β₂ᵗ), and RAdam's and ADOPT's t.
+# The packed leaves after the arrays: (∏β₁, ∏β₂), and RAdam's and ADOPT's t.
 PACKED = {**dict.fromkeys(ARRAYS, 0), **dict.fromkeys(ADAMS, 1), _RADAM: 2, _ADOPT: 1, _ADOPT_NESTEROV: 1}
 
 
@@ -70,9 +71,10 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
                d=plan.ema.decay if plan.ema is not None else 0.0, ok=1.0 if ok is None else ok)
     if kind in ADAMS:
         b1, b2 = col["b1"], col["b2"]
-        bt, writes = _pack_step(call, flat, packs, ARRAYS[kind],
-                                lambda bt: bt * jnp.stack([b1, b2]).astype(bt.dtype), ok)
-        bt = bt.astype(jnp.float32)
+        def powers(bt):     # the products of the β's with this step's (see optim._rules.moments.bt_init)
+            return bt_next(bt, (b1, b2), x)
+        bt, writes = _pack_step(call, flat, packs, ARRAYS[kind], powers, ok)
+        bt = powers(bt).astype(jnp.float32)
         col.update(zip(("c1", "c2"), debias(bt.T)))
         if kind in (_ADAMW, _ADAMW_COUPLED, _ADEMAMIX):
             col["wd"] = as_compute(rule.weight_decay, x)

@@ -108,7 +108,7 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     else:
         meta["model"] = None
 
-    meta["version"] = VERSION if writer.keys else 1      # files without keys stay readable by older optim
+    meta["version"] = VERSION   # not older: optim before version 3 would read `bt` one step ahead
     meta["data_bytes"] = size = writer.fetch()
     body = json.dumps(meta, separators=(",", ":")).encode()
     write_atomic(os.fspath(path), body, writer.arrays, writer.entries, size)

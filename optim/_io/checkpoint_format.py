@@ -40,7 +40,9 @@ import numpy as np
 from .._core.cache import LRU
 
 FORMAT = "optim-checkpoint"
-VERSION = 2        # 1: no typed PRNG keys; 2: entries may carry "key" (written only when the file holds keys)
+# 1: no typed PRNG keys; 2: entries may carry "key"; 3: the Adam family's `bt` holds the products of the β's of the
+# steps taken (βᵗ), where 1 and 2 held the next step's (βᵗ⁺¹): `load` converts (optim._rules.moments.powers_from_next).
+VERSION = 3
 
 
 # -------------------------------------------------------------------------------------------- writing

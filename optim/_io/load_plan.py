@@ -18,6 +18,7 @@ import numpy as np
 from .checkpoint_format import (ARRAYS, Malformed, clean, dtype_name, dtype_named, key_type, python_value,
                                  same_rule_structure, same_state_structure, signature)
 from .._core.state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
+from .._rules.moments import powers_from_next
 from .._core.tree import show, structure_diff
 
 __all__ = ["Plan", "Mismatch", "NO_MODEL", "rule_repr", "destination"]
@@ -260,6 +261,8 @@ class Plan:
         rules = tuple(jax.tree_util.tree_unflatten(td, [_widen(v.value, x) for v, x in zip(vs, xs)])
                       for (td, vs), (_, _, xs) in zip(rule_parts, self.rules))
         states = [jax.tree_util.tree_unflatten(td, [v.value for v in vs]) for td, vs in state_parts]
+        if self.meta["version"] < 3:     # the Adam family's powers: of the next step then, of the steps taken now
+            states = [powers_from_next(unwrap(rules[p.rule]), s) for p, s in zip(self.layout.params, states)]
         step = _place_like(jnp.asarray(arrays[self.meta["step"]["array"]], jnp.int32), self.like.step)
         state = State.of_params(self.layout, rules, states, step)
         if self.layout == self.like.layout:     # stacks go where like='s are (the same shardings, spelled alike)

@@ -9,9 +9,11 @@ v0.4 (Lion follows its paper): `sgd.py`, `adaptive.py`, `adam.py`, `transforms.p
 learning-rate-free Prodigy and DoG in `lr_free.py` (they follow optax); rules
 made of rules in `wrappers.py` and `average.py`.
 Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
-step), `bt` the running powers `(β₁ᵗ, β₂ᵗ)` (they start at `(β₁, β₂)`), `m̂ = m / (1 - bt₁)` and
-`v̂ = v / (1 - bt₂)`. Hyperparameters are numbers, arrays or schedules (`Hyper`);
-ranges are checked when a rule is built and when `adjust` changes them.
+step), `bt` the products `(∏β₁, ∏β₂)` of the decay rates of the steps taken, this one's included (`(β₁ᵗ, β₂ᵗ)`
+for constant β; `(1, 1)` before the first step), `m̂ = m / (1 - bt₁)` and `v̂ = v / (1 - bt₂)`: exact also where
+β changes (a schedule, `adjust`), where `1 - ∏β` is the weight the moment's average has put on gradients.
+Hyperparameters are numbers, arrays or schedules (`Hyper`); ranges are checked when a rule is built and when
+`adjust` changes them.
 
 Gradients reach `apply` already summed over a tie group, cast to the parameter's dtype and, for complex
 parameters, conjugated: JAX's gradient of a real loss w.r.t. a complex `w` is the conjugate of the steepest

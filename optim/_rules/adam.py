@@ -24,7 +24,7 @@ class AdamState(NamedTuple):
     """The state of Adam, AdamW, NAdam and Lamb."""
     mu: Any              # first moment
     nu: Any              # second moment
-    bt: Any              # running powers (β₁ᵗ, β₂ᵗ) of the bias correction
+    bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
 
 
 @register_for_export
@@ -76,7 +76,8 @@ class Adam(StateDtypes, Rule):
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `AdamState(mu, nu, bt)`: first moment (`mu_dtype`, default the parameter dtype), second moment (`nu_dtype`,
-    default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ) as one array of 2.
+    default the real dtype), both starting at 0, and the products (β₁ᵗ, β₂ᵗ) of the decay rates of the steps
+    taken (1 at the start) as one array of 2.
 
     Reference: D. P. Kingma, J. Ba, "Adam: A Method for Stochastic Optimization", 2014,
     https://arxiv.org/abs/1412.6980
@@ -115,11 +116,11 @@ class Adam(StateDtypes, Rule):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        bt = state[2]
+        bt = bt_next(state[2], self.beta, x)      # this step's β multiplied in first (see moments.bt_init)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         c1, c2 = debias(bt)
         step = m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * as_compute(self.lr, x)
-        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt), step
 
 
 def rectification(b2, t, b2t):
@@ -145,7 +146,7 @@ class RAdam(StateDtypes, Rule):
             parameter's dtype); structural. See `optim._rules.moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `RAdamState(mu, nu, bt, t)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
+    State: `RAdamState(mu, nu, bt, t)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
     number `t` of the next step (int32, starting at 1).
 
     Reference: L. Liu, H. Jiang, P. He, W. Chen, X. Liu, J. Gao, J. Han, "On the Variance of the Adaptive
@@ -177,13 +178,13 @@ class RAdam(StateDtypes, Rule):
         return RAdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x), jnp.ones((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
-        bt, t = state[2:]
+        bt, t = bt_next(state[2], self.beta, x), state[3]
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         r, rectified = rectification(as_compute(self.beta[1], x), t, bt[1])
         c1, c2 = debias(bt)
         lr, mhat = as_compute(self.lr, x), m * c1
         step = jnp.where(rectified, mhat * r / (jnp.sqrt(v * c2) + eps_of(self.eps, x)) * lr, mhat * lr)
-        return RAdamState(*store((m, v), state), bt_next(bt, self.beta, x), t + 1), step
+        return RAdamState(*store((m, v), state), bt, t + 1), step
 
 
 class AdaMax(Rule):
@@ -196,7 +197,7 @@ class AdaMax(Rule):
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
 
     State: `AdaMaxState(mu, u, bt)`: first moment (parameter dtype), exponentially weighted infinity norm (real
-    dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
+    dtype), both starting at 0, and the products (β₁ᵗ, β₂ᵗ).
 
     Reference: D. P. Kingma, J. Ba, "Adam: A Method for Stochastic Optimization" (section 7), 2014,
     https://arxiv.org/abs/1412.6980
@@ -220,11 +221,12 @@ class AdaMax(Rule):
 
     def apply(self, state, x, dx, *dxs):
         m, u, bt = state
+        bt = bt_next(bt, self.beta, x)
         b1, b2 = pair_of(self.beta, x)
         m = b1 * m + (1 - b1) * dx
         u = jnp.maximum(b2 * u, jnp.abs(dx))
         step = (as_compute(self.lr, x) / (1 - bt[0])) * m / (u + eps_of(self.eps, x))
-        return AdaMaxState(m, u, bt_next(bt, self.beta, x)), step
+        return AdaMaxState(m, u, bt), step
 
 
 class OAdam(Rule):
@@ -235,7 +237,7 @@ class OAdam(Rule):
         beta: decay rates (β₁, β₂), default (0.5, 0.9), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
 
-    State: `OAdamState(mu, nu, bt, term)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
+    State: `OAdamState(mu, nu, bt, term)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
     previous Adam step `T` (parameter dtype, starting at 0).
 
     Reference: C. Daskalakis, A. Ilyas, V. Syrgkanis, H. Zeng, "Training GANs with Optimism", 2017,
@@ -260,10 +262,11 @@ class OAdam(Rule):
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt, prev = state
+        bt = bt_next(bt, self.beta, x)
         m, v = moments(self.beta, m, v, dx, x)
         c1, c2 = debias(bt)
         term = as_compute(self.lr, x) * m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x))
-        return OAdamState(m, v, bt_next(bt, self.beta, x), term), 2 * term - prev
+        return OAdamState(m, v, bt, term), 2 * term - prev
 
 
 class AMSGrad(StateDtypes, Rule):
@@ -338,7 +341,7 @@ class NAdam(StateDtypes, Rule):
             parameter's dtype); structural. See `optim._rules.moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: T. Dozat, "Incorporating Nesterov Momentum into Adam", ICLR 2016 workshop,
     https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ
@@ -368,12 +371,12 @@ class NAdam(StateDtypes, Rule):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        bt = state[2]
+        bt = bt_next(state[2], self.beta, x)
         b1, b2 = pair_of(self.beta, x)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         cm, cg, cv = nadam_factors(b1, b2, bt)
         step = (m * cm + dx * cg) / (jnp.sqrt(v * cv) + eps_of(self.eps, x)) * as_compute(self.lr, x)
-        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt), step
 
 
 class AdamW(StateDtypes, Rule):
@@ -390,7 +393,7 @@ class AdamW(StateDtypes, Rule):
             parameter's dtype); structural. See `optim._rules.moments`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: I. Loshchilov, F. Hutter, "Decoupled Weight Decay Regularization", 2017,
     https://arxiv.org/abs/1711.05101
@@ -423,14 +426,14 @@ class AdamW(StateDtypes, Rule):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        bt = state[2]
+        bt = bt_next(state[2], self.beta, x)
         m, v = moments(self.beta, *load(x, *state[:2]), dx, x)
         # Optimisers.jl: the inner Adam uses the raw ε, floored like every other rule for 16-bit floats here.
         c1, c2 = debias(bt)
         a = m * c1 / (jnp.sqrt(v * c2) + eps_of(self.eps, x))
         lr, wd = as_compute(self.lr, x), as_compute(self.weight_decay, x)
         step = lr * (a + wd * x) if self.couple else lr * a + wd * x
-        return AdamState(*store((m, v), state), bt_next(bt, self.beta, x)), step
+        return AdamState(*store((m, v), state), bt), step
 
 
 class AdaBelief(StateDtypes, Rule):
@@ -446,7 +449,7 @@ class AdaBelief(StateDtypes, Rule):
         nu_dtype: storage dtype of `s`, default None (the parameter's real dtype); structural.
 
     State: `AdaBeliefState(mu, s, bt)`: first moment (`mu_dtype`, default the parameter dtype), the "belief" second
-    moment of `g - m` (`nu_dtype`, default the real dtype), both starting at 0, and the running powers (β₁ᵗ, β₂ᵗ).
+    moment of `g - m` (`nu_dtype`, default the real dtype), both starting at 0, and the products (β₁ᵗ, β₂ᵗ).
 
     Reference: J. Zhuang, T. Tang, Y. Ding, S. Tatikonda, N. Dvornek, X. Papademetris, J. Duncan, "AdaBelief
     Optimizer: Adapting Stepsizes by the Belief in Observed Gradients", 2020, https://arxiv.org/abs/2010.07468
@@ -475,11 +478,11 @@ class AdaBelief(StateDtypes, Rule):
         return AdaBeliefState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        (m, s), bt = load(x, *state[:2]), state[2]
+        (m, s), bt = load(x, *state[:2]), bt_next(state[2], self.beta, x)
         b1, b2 = pair_of(self.beta, x)
         eps = eps_of(self.eps, x)
         m = b1 * m + (1 - b1) * dx
         s = b2 * s + (1 - b2) * abs2(dx - m) + eps
         c1, c2 = debias(bt)
         step = as_compute(self.lr, x) * m * c1 / (jnp.sqrt(s * c2) + eps)
-        return AdaBeliefState(*store((m, s), state), bt_next(bt, self.beta, x)), step
+        return AdaBeliefState(*store((m, s), state), bt), step

@@ -23,7 +23,7 @@ class AdEMAMixState(NamedTuple):
     mu: Any              # the fast first moment m₁ (decay β₁, bias-corrected)
     mu_slow: Any         # the slow first moment m₂ (decay β₃, not bias-corrected)
     nu: Any              # second moment
-    bt: Any              # running powers (β₁ᵗ, β₂ᵗ) of the bias correction
+    bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
 
 
 class AdEMAMix(Rule):
@@ -48,7 +48,8 @@ class AdEMAMix(Rule):
         weight_decay: λ, decoupled, multiplied by η, default 0.0, >= 0.
 
     State: `AdEMAMixState(mu, mu_slow, nu, bt)`: the fast and slow first moments (parameter dtype), the second
-    moment (real dtype), all starting at 0, and the running powers (β₁ᵗ, β₂ᵗ) as one array of 2.
+    moment (real dtype), all starting at 0, and the products (β₁ᵗ, β₂ᵗ) of the decay rates of the steps taken
+    (1 at the start) as one array of 2.
 
     Reference: M. Pagliardini, P. Ablin, D. Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024,
     https://arxiv.org/abs/2409.03050
@@ -85,6 +86,7 @@ class AdEMAMix(Rule):
 
     def apply(self, state, x, dx, *dxs):
         m1, m2, v, bt = state
+        bt = bt_next(bt, self.beta, x)
         b3, alpha = as_compute(self.beta3, x), as_compute(self.alpha, x)
         new_m1, new_v = moments(self.beta, m1, v, dx, x)
         new_m2 = b3 * m2 + (1 - b3) * dx
@@ -92,4 +94,4 @@ class AdEMAMix(Rule):
         a = (new_m1 * c1 + alpha * new_m2) / (jnp.sqrt(new_v * c2) + eps_of(self.eps, x))
         step = as_compute(self.lr, x) * (a + as_compute(self.weight_decay, x) * x)
         return AdEMAMixState(new_m1.astype(m1.dtype), new_m2.astype(m2.dtype), new_v.astype(v.dtype),
-                             bt_next(bt, self.beta, x)), step
+                             bt), step

@@ -1,10 +1,10 @@
 """Hyperparameters: what rules and schedules accept as a number, checked and made floating at construction.
 
 A hyperparameter is a real number: a Python or numpy number, a real jax / numpy array (usually 0-d), an optim
-schedule, or a tracer (inside a traced function, where it cannot be checked). It is stored as a *floating*
-number: `Descent(1)` holds `1.0`, so that `adjust(state, lr=0.5)` later gives 0.5 and not an integer 0 (the
-state keeps each hyperparameter's dtype so that a jitted step never retraces). Counts (`AccumGrad.n`) and
-schedule lengths stay integers. Concrete values are checked here, the same way in a rule's constructor and in
+schedule, or a tracer (inside a traced function, where only its shape can be checked: it must be 0-d). It is
+stored as a *floating* number: `Descent(1)` holds `1.0`, so that `adjust(state, lr=0.5)` later gives 0.5 and
+not an integer 0 (the state keeps each hyperparameter's dtype so that a jitted step never retraces). Counts
+(`AccumGrad.n`) and schedule lengths stay integers. Concrete values are checked here, the same way in a rule's constructor and in
 `adjust`: a wrong type is a `TypeError`, a value out of range (negative, `inf`, `nan`, `beta` not in [0, 1))
 or an array of more than one number a `ValueError`, both naming the rule and the argument.
 
@@ -90,13 +90,13 @@ def hyper(owner: str, name: str, v: Any, check: str = "nonneg") -> Any:
     if not _is_numeric(v):
         raise TypeError(f"{owner}: {name} must be a real number, an array or an optim schedule, "
                         f"got {type(v).__name__} {v!r}")
+    if jnp.ndim(v) != 0:     # a tracer's shape is known too (a rule built inside jit), though not its value
+        raise ValueError(f"{owner}: {name} must be a scalar, got an array of shape {jnp.shape(v)}: a hyperparameter "
+                         "is one number for the whole parameter (or an optim schedule, for one that changes "
+                         "with the step); give parameters different values with optim.by_path or "
+                         "adjust(state, pattern, ...)")
     if is_concrete(v):
         a = np.asarray(v, dtype=np.float64)
-        if a.ndim != 0:
-            raise ValueError(f"{owner}: {name} must be a scalar, got an array of shape {a.shape}: a hyperparameter "
-                             "is one number for the whole parameter (or an optim schedule, for one that changes "
-                             "with the step); give parameters different values with optim.by_path or "
-                             "adjust(state, pattern, ...)")
         test, says = RANGES[check]
         if not np.all(np.isfinite(a)) or not np.all(test(a)):
             raise ValueError(f"{owner}: {name} {says} and finite, got {a.item()!r}")
@@ -183,9 +183,11 @@ def count(owner: str, name: str, v: Any, minimum: int = 1) -> Any:
     """A hyperparameter that counts something (`AccumGrad.n`): an integer >= `minimum`, stored as given."""
     if isinstance(v, (bool, np.bool_)) or not _is_numeric(v):
         raise TypeError(f"{owner}: {name} must be an integer, got {type(v).__name__} {v!r}")
+    if jnp.ndim(v) != 0:
+        raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got an array of shape {jnp.shape(v)}")
     if is_concrete(v):
         a = np.asarray(v, dtype=np.float64)
-        if a.ndim != 0 or not np.isfinite(a) or a != np.round(a) or a < minimum:
+        if not np.isfinite(a) or a != np.round(a) or a < minimum:
             raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {v!r}")
         if isinstance(v, float):
             return int(v)

@@ -242,7 +242,7 @@ class Lamb(Rule):
             `by_path({"*.bias": Lamb(1e-3), "*": Lamb(1e-3, weight_decay=0.01)})`.
         eps_root: ε_root, added inside the square root, default 0.0, >= 0.
 
-    State: `AdamState(mu, nu, bt)`: first moment, second moment, running powers (β₁ᵗ, β₂ᵗ) (as `Adam`).
+    State: `AdamState(mu, nu, bt)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`).
 
     Reference: Y. You, J. Li, S. Reddi, J. Hseu, S. Kumar, S. Bhojanapalli, X. Song, J. Demmel, K. Keutzer,
     C.-J. Hsieh, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", 2019,
@@ -272,13 +272,14 @@ class Lamb(Rule):
 
     def apply(self, state, x, dx, *dxs):
         m, v, bt = state
+        bt = bt_next(bt, self.beta, x)
         m, v = moments(self.beta, m, v, dx, x)
         c1, c2 = debias(bt)
         vhat = v * c2 + as_compute(self.eps_root, x)
         u = m * c1 / (jnp.sqrt(vhat) + eps_of(self.eps, x)) + as_compute(self.weight_decay, x) * x
         lr = as_compute(self.lr, x)
         step = (lr * _trust_ratio(x, u, jnp.ones((), lr.dtype), jnp.zeros((), lr.dtype))) * u
-        return AdamState(m, v, bt_next(bt, self.beta, x)), step
+        return AdamState(m, v, bt), step
 
 
 class Lars(Rule):

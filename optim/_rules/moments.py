@@ -8,7 +8,7 @@
   step from the unrounded new moments and `store` rounds them to their storage dtype (as optax's `mu_dtype`).
   A complex parameter's first moment is complex: `mu_dtype` float32 / float64 stores it as complex64 /
   complex128; a 16-bit `mu_dtype` has no complex counterpart and is a `TypeError` at `setup`.
-- Adam's moment updates and the running powers `(β₁ᵗ, β₂ᵗ)` of its bias correction.
+- Adam's moment updates and the products `(∏β₁, ∏β₂)` of its bias correction (`β₁ᵗ`, `β₂ᵗ` for constant β).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .protocol import abs2, compute_dtype, pair_of, real_dtype
+from .protocol import abs2, compute_dtype, inner_fields, pair_of, real_dtype, tuple_of
 
 __all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next",
            "debias"]
@@ -90,8 +90,11 @@ def moments(beta, m, v, dx, x):
 
 
 def bt_init(beta, x):
-    """The running powers (β₁ᵗ, β₂ᵗ) at t = 1, as one array: one buffer and one kernel per parameter, not two."""
-    return jnp.stack(pair_of(beta, x))
+    """The products (∏β₁, ∏β₂) of the decay rates of the steps taken so far, (1, 1) before the first, as one
+    array: one buffer and one kernel per parameter, not two. Each step multiplies in its own β first
+    (`bt_next`), so that a step's bias correction is `1 - ∏β`, the weight its moment's average has put on
+    gradients so far: `1 - βᵗ` for a constant β, and still exact where β changes (a schedule, or `adjust`)."""
+    return jnp.ones((len(beta),), compute_dtype(x))
 
 
 def debias(bt):
@@ -103,5 +106,49 @@ def debias(bt):
 
 
 def bt_next(bt, beta, x):
-    """The running powers one step later."""
-    return bt * jnp.stack(pair_of(beta, x))
+    """The products of the decay rates with this step's: what the step's bias correction uses, and stores.
+
+    The maximum with 0 changes no value (both factors are >= 0); it keeps the product rounded before the
+    correction subtracts it from 1: XLA contracts `1 - bt β` into one multiply-add where both sit in one fused
+    loop (and drops an optimization barrier between them), so the same step would round differently in
+    different programs (XLA's path, the fused CPU kernel's scalars), by an ulp of `1 - bt₂`: 1e-5 of a step."""
+    return jnp.maximum(bt * jnp.stack(tuple_of(beta, x)).astype(bt.dtype), 0)
+
+
+# ----------------------------------------------------------------------------------------------- old files
+def powers_from_next(rule: Any, state: Any) -> Any:
+    """`state` (of `rule`, for one parameter) with each Adam-family `bt` turned from what files of checkpoint
+    format version 2 and older hold, the powers of the *next* step (βᵗ⁺¹ after t steps, β at the start), into
+    the products of the steps taken (βᵗ, see `bt_init`): divided by its rule's β (a zero β leaves 0, which
+    both forms agree on). The rules are paired with their states in depth-first order (a wrapper's or a
+    chain's state holds its inner rules' states in the order of its inner rules); a rule whose β is a schedule
+    could not be set up by those versions. Raises `ValueError` where the pairing fails."""
+    owners: list = []
+
+    def rules_of(r):
+        if hasattr(r, "beta") and _keeps_powers(r):
+            owners.append(r)
+        for name in inner_fields(r):
+            v = getattr(r, name)
+            for inner in v if isinstance(v, tuple) else (v,):
+                rules_of(inner)
+
+    rules_of(rule)
+    found = [s for s in jax.tree.leaves(state, is_leaf=_has_powers) if _has_powers(s)]
+    if len(found) != len(owners):
+        raise ValueError(f"{type(rule).__name__}: cannot pair its {len(owners)} rules with bias-correction "
+                         f"powers with the {len(found)} such states in the file")
+    new = iter(s._replace(bt=jnp.where(b == 0, 0, s.bt / b)) for s, b in
+               ((s, jnp.stack(tuple_of(r.beta, s.bt)).astype(s.bt.dtype)) for s, r in zip(found, owners)))
+    return jax.tree.map(lambda s: next(new) if _has_powers(s) else s, state, is_leaf=_has_powers)
+
+
+def _has_powers(s: Any) -> bool:
+    return isinstance(s, tuple) and hasattr(s, "_fields") and "bt" in s._fields
+
+
+def _keeps_powers(rule: Any) -> bool:
+    try:
+        return _has_powers(jax.eval_shape(rule.init, jax.ShapeDtypeStruct((2, 2), jnp.float32)))
+    except Exception:    # noqa: BLE001 (a rule that cannot step a 2x2 matrix keeps no Adam powers for one)
+        return False
