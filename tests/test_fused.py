@@ -189,6 +189,29 @@ def test_skipped_steps(name, dtype, mode, monkeypatch):
     assert [v for k, v in counts.items() if "'mat'" in k or "'emb'" in k] == [2, 2], counts
 
 
+def test_centred_rmsprop_with_an_overflowing_square_agrees_with_xla(monkeypatch):
+    """A finite 1e30 gradient: q = ρq + (1-ρ)g² overflows to Inf, and so does l². XLA contracts q - l² into one
+    multiply-add (Inf, a 0 step); the kernel's plain difference was Inf - Inf, a NaN parameter. A NaN or an Inf
+    gradient still gives NaN in both."""
+    m = {"w": jnp.ones((300,))}
+    grads = [{"w": jnp.full((300,), 0.1).at[3].set(1e30)}, {"w": jnp.full((300,), 0.1)},
+             {"w": jnp.full((300,), 0.1).at[5].set(jnp.inf)}]
+
+    def run(fused):
+        monkeypatch.setattr(_fused, "ENABLED", fused)
+        st, mm, out = optim.setup(optim.RMSProp(0.01, centred=True), m), m, []
+        for g in grads:
+            st, mm = optim.update(st, mm, g)
+            out.append(np.asarray(mm["w"]))
+        return out
+
+    got, want = run(True), run(False)
+    assert np.isfinite(got[0]).all() and got[0][3] == 1.0 and np.isfinite(got[1]).all()
+    assert np.isnan(got[2][5]) and np.isnan(want[2][5])
+    for a, b in zip(got, want):
+        assert_ulp(a, b)
+
+
 @pytest.mark.parametrize("rule", [
     optim.SkipNonFinite(optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, weight_decay=0.1))),
     optim.SkipNonFinite(optim.EMA(optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(0.01)), decay=0.9))],

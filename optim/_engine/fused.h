@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <memory>
 #include <cmath>
 #include <cstdint>
