@@ -2,11 +2,11 @@
 
 A hyperparameter is a real number: a Python or numpy number, a real jax / numpy array (usually 0-d), an optim
 schedule, or a tracer (inside a traced function, where only its shape can be checked: it must be 0-d). It is
-stored as a *floating* number: `Descent(1)` holds `1.0`, so that `adjust(state, lr=0.5)` later gives 0.5 and
-not an integer 0 (the state keeps each hyperparameter's dtype so that a jitted step never retraces). Counts
-(`AccumGrad.n`) and schedule lengths stay integers. Concrete values are checked here, the same way in a rule's constructor and in
-`adjust`: a wrong type is a `TypeError`, a value out of range (negative, `inf`, `nan`, `beta` not in [0, 1))
-or an array of more than one number a `ValueError`, both naming the rule and the argument.
+stored as a *floating* number: `Descent(1)` holds `1.0`, so that `adjust(state, lr=0.5)` later gives 0.5 and not
+an integer 0 (the state keeps each hyperparameter's dtype so that a jitted step never retraces). Counts
+(`AccumGrad.n`) and schedule lengths stay integers. Concrete values are checked here, the same way in a rule's
+constructor and in `adjust`: a wrong type is a `TypeError`, a value out of range (negative, `inf`, `nan`, `beta`
+not in [0, 1)) or an array of more than one number a `ValueError`, both naming the rule and the argument.
 
 A schedule is checked against the same range over all its steps: its lowest and highest values follow from its
 numbers (`Schedule.bounds`: `Linear(0.1, -0.1, 10)` goes down to -0.1, so it is no learning rate), taken over
