@@ -29,6 +29,9 @@ STACK_MAX_MEMBERS = 64
 # In `make_stacks`' `wide`: `(ANY, r)` marks rule `r` as one whose large parameters are stacked whatever their dtype
 # and placement (`Rule._stack_large`: SOAP batches its eigh / qr over a stack).
 ANY = "any"
+# In `make_stacks`' `wide`: `(GROUPED, r)` marks rule `r` as one whose large parameters XLA's path groups
+# (`optim._engine.group`): stacked like the kernel's, at most `GROUP_MAX_ELEMENTS` elements a stack.
+GROUPED = "grouped"
 # The dtypes of parameters and state arrays that optim's fused CPU kernel reads (optim/_engine/fused.cc).
 KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -38,19 +41,26 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     (`setup(..., state_sharding=fn)`); small ones together (at most `STACK_MAX_MEMBERS`), large ones alone,
     except for the rules in `wide` (indices): the rules that optim's fused CPU kernel runs (`optim._engine.fused`),
     which reads each member where it is, so stacking their large parameters' states costs no pass (and saves
-    the arrays in and out of each call), and the rules `r` given as `(ANY, r)`, which batch per-parameter matrix
-    work over a stack (`Rule._stack_large`). Deterministic, in parameter order."""
+    the arrays in and out of each call), the rules `r` given as `(GROUPED, r)`, which XLA's path groups
+    (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack), and the rules `r` given as
+    `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`). Deterministic, in
+    parameter order."""
+    from .group import GROUP_MAX_ELEMENTS    # noqa: PLC0415 (group imports this module's users' layer)
+
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):
-        if math.prod(p.shape) > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not (
-                p.rule in wide and p.place is None and p.state_place is None
+        size = math.prod(p.shape)
+        grouped = (GROUPED, p.rule) in wide and size <= GROUP_MAX_ELEMENTS // 2
+        if size > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not (
+                (p.rule in wide or grouped) and p.place is None and p.state_place is None
                 and p.dtype in KERNEL_FLOATS):
             out.append([u])
             continue
         key = (p.rule, p.shape, p.dtype, p.place, p.state_place)
         g = by_key.get(key)
-        if g is None or len(g) >= STACK_MAX_MEMBERS:
+        full = grouped and size > STACK_MAX_SIZE and (len(g or ()) + 1) * size > GROUP_MAX_ELEMENTS
+        if g is None or len(g) >= STACK_MAX_MEMBERS or full:
             g = by_key[key] = []
             out.append(g)
         g.append(u)

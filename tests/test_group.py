@@ -1,0 +1,174 @@
+"""optim._engine.group: XLA's path stacks large parameters that share a rule, shape, dtype and placement (on a
+GPU or TPU by default; `MODE = "all"` here, on the CPU, with the fused kernel off). The reference is the same
+path one parameter a stack (`MODE = "0"`): results agree to a few ulp (the same arithmetic, vmapped over a stack
+instead of run alone), the per-parameter views (`state_dict`, checkpoints) are unchanged, and only the rules
+whose step does not read the parameter are grouped."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optim
+from conftest import counted_update
+from optim._engine import fused as _fused
+from optim._engine import group as _group
+
+BIG = (100, 100)      # 10000 elements: above optim._engine.stack.STACK_MAX_SIZE, alone unless grouped
+
+
+@pytest.fixture(autouse=True)
+def _xla_path(monkeypatch):
+    monkeypatch.setattr(_fused, "ENABLED", False)
+
+
+def _model():
+    k = jax.random.split(jax.random.PRNGKey(0), 10)
+    m = {f"w{i}": jax.random.normal(k[i], BIG) for i in range(6)}
+    m["wide"] = [jax.random.normal(k[6], (90, 120)), jax.random.normal(k[7], (90, 120))]
+    m["b"] = jax.random.normal(k[8], (7,))
+    m["tied"] = m["w0"]                      # a tie: one parameter, its gradients summed
+    m["n"] = 3                               # not trainable
+    return m
+
+
+def _grads(model, t):
+    g = jax.tree.map(lambda x: jnp.sin(x * (t + 1.0)) + 0.1 * x if isinstance(x, jax.Array) else None, model)
+    if t == 1:
+        g["w3"] = None                       # no step for w3, its state not advanced
+    return g
+
+
+RULES = {
+    "Adam": lambda: optim.Adam(1e-2),
+    "Adam bf16 moments": lambda: optim.Adam(1e-2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "clip+Adam": lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-2)),
+    "SkipNonFinite(Adam)": lambda: optim.SkipNonFinite(optim.Adam(1e-2)),
+    "Lion": lambda: optim.Lion(1e-3),
+    "Momentum": lambda: optim.Momentum(1e-2),
+    "RMSProp centred": lambda: optim.RMSProp(1e-2, centred=True),
+    "Adam lr schedule": lambda: optim.Adam(optim.warmup_cosine(1e-2, 2, 10)),
+    "by_path": lambda: optim.by_path({"wide.*": optim.Lion(1e-3), "*": optim.Adam(1e-2)}),
+}
+
+
+def _run(make, mode, monkeypatch, steps=3, freeze=None):
+    monkeypatch.setattr(_group, "MODE", mode)
+    model = _model()
+    state = optim.setup(make(), model)
+    if freeze:
+        state = optim.freeze(state, freeze)
+    f = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
+    x = jax.tree.map(lambda a: jnp.copy(a) if isinstance(a, jax.Array) else a, model)
+    x["tied"] = x["w0"]
+    for t in range(steps):
+        state, x = f(state, x, _grads(model, t))
+    return state, x
+
+
+def _close(a, b):
+    """Equal to a few ulp of each array's scale (XLA may contract a multiply and an add in one program and not in
+    the other); bfloat16 arrays to one of their own ulp; integers exactly."""
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        eps = 2.0 ** -7 if np.asarray(v).dtype == jnp.bfloat16 else 2.0 ** -23
+        u, v = np.asarray(u).astype(np.float64), np.asarray(v).astype(np.float64)
+        scale = np.max(np.abs(v)) if v.size else 0.0
+        np.testing.assert_allclose(u, v, rtol=0, atol=8 * eps * scale)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_grouped_step_equals_one_parameter_a_stack(name, monkeypatch):
+    got_state, got = _run(RULES[name], "all", monkeypatch)
+    want_state, want = _run(RULES[name], "0", monkeypatch)
+    assert len(got_state.layout.stacks) < len(want_state.layout.stacks)       # grouped
+    assert np.array_equal(got["tied"], got["w0"]) and not np.array_equal(got["w0"], _model()["w0"])
+    _close(got, want)
+    _close(optim.state_dict(got_state), optim.state_dict(want_state))
+
+
+def test_frozen_and_skipped_members_of_a_group_keep_their_state_bitwise(monkeypatch):
+    model = _model()
+    state, x = _run(RULES["Adam"], "all", monkeypatch, steps=2, freeze="w2")
+    fresh = optim.setup(optim.Adam(1e-2), model)
+    for a, b in zip(jax.tree.leaves(state["w2"].state), jax.tree.leaves(fresh["w2"].state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(x["w2"]), np.asarray(model["w2"]))
+    # w3 had no gradient at step 1: one step taken, the products of its β's are β once
+    np.testing.assert_allclose(np.asarray(state["w3"].state.bt), [0.9, 0.999], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(state["w4"].state.bt), [0.81, 0.999 ** 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule, reads", [
+    (optim.Adam(), False), (optim.Lion(), False), (optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam()), False),
+    (optim.SkipNonFinite(optim.Adam()), False), (optim.AdamW(weight_decay=0.1), True),
+    (optim.EMA(optim.Adam()), True), (optim.MixedPrecision(optim.Adam()), False),   # it steps its copy
+    (optim.chain(optim.WeightDecay(0.1), optim.Adam()), True)])
+def test_only_rules_whose_step_does_not_read_the_parameter_are_grouped(rule, reads, monkeypatch):
+    """A step that reads the parameter would read it through the stack's concatenation, and XLA then copies every
+    new parameter instead of writing it in place (optim._engine.group): such rules keep one parameter a stack."""
+    assert _group.reads_parameter(rule) is reads
+    monkeypatch.setattr(_group, "MODE", "all")
+    state = optim.setup(rule, _model())
+    big = [u for u, p in enumerate(state.layout.params) if p.shape == BIG]
+    together = any(len(set(s) & set(big)) > 1 for s in state.layout.stacks)
+    assert together is not reads
+
+
+def test_groups_are_bounded_in_elements(monkeypatch):
+    monkeypatch.setattr(_group, "MODE", "all")
+    monkeypatch.setattr(_group, "GROUP_MAX_ELEMENTS", 25_000)   # two of 10000 elements, not three
+    state = optim.setup(optim.Adam(), _model())
+    sizes = sorted(len(s) for s in state.layout.stacks if state.layout.params[s[0]].shape == BIG)
+    assert sizes == [2, 2, 2]
+
+
+def test_off_and_default_on_a_cpu_only_process(monkeypatch):
+    """`OPTIM_GROUP=0` turns grouping off; unset, it is on only where JAX has a GPU or TPU backend."""
+    for mode in ("0", "1"):
+        monkeypatch.setattr(_group, "MODE", mode)
+        state = optim.setup(optim.Adam(), _model())
+        assert all(len(s) == 1 for s in state.layout.stacks if state.layout.params[s[0]].shape == BIG)
+
+
+def test_adjust_on_a_grouped_state_does_not_recompile(monkeypatch):
+    monkeypatch.setattr(_group, "MODE", "all")
+    step, traces = counted_update()
+    model = _model()
+    state = optim.setup(optim.Adam(1e-2), model)
+    state, x = step(state, model, _grads(model, 0))
+    state = optim.adjust(state, lr=1e-3, beta=(0.8, 0.99))
+    state, x = step(state, x, _grads(model, 0))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("save_mode, load_mode", [("all", "0"), ("0", "all")])
+def test_a_checkpoint_moves_between_grouped_and_ungrouped_layouts(save_mode, load_mode, monkeypatch, tmp_path):
+    state, x = _run(RULES["clip+Adam"], save_mode, monkeypatch, steps=2)
+    optim.save(tmp_path / "c.npz", state, x)
+    monkeypatch.setattr(_group, "MODE", load_mode)
+    model = _model()
+    like = optim.setup(RULES["clip+Adam"](), model)
+    loaded, lx = optim.load(tmp_path / "c.npz", like=(like, model))
+    assert len(loaded.layout.stacks) != len(state.layout.stacks)
+    g = _grads(model, 5)
+    a = optim.update(state, x, g)
+    b = optim.update(loaded, lx, g)
+    _close(a[1], b[1])
+    _close(optim.state_dict(a[0]), optim.state_dict(b[0]))
+
+
+def test_grouped_program_has_fewer_kernels(monkeypatch):
+    """Structure, not time: on XLA:CPU the grouped Adam step has one fused loop fewer per parameter (the moments
+    of a group are one loop); on XLA:GPU the new parameters are one kernel too (`python -m bench.kernels`)."""
+    def fusions(mode):
+        monkeypatch.setattr(_group, "MODE", mode)
+        model = {f"w{i}": jnp.ones(BIG) for i in range(12)}
+        state = optim.setup(optim.Adam(1e-3), model)
+        text = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1)).lower(
+            state, model, model).compile().as_text()
+        return len(re.findall(r"= \S+ fusion\(", text[text.index("ENTRY"):]))
+
+    alone, grouped = fusions("0"), fusions("all")     # XLA:CPU: 41 and 20 (its new parameters are 12 loops)
+    assert alone >= 12 * 3 and grouped <= alone - 12, (alone, grouped)
