@@ -294,7 +294,7 @@ def test_donated_step_runs_in_place():
     """A user-jitted, donated Adam step on 4 parameters of 16k floats, one of them tied at three positions: one
     kernel call for all four (their moments are separate stacks, one set each), which also writes the tie's new
     value into the other two positions' donated buffers; no copy of a parameter's or a moment's array (the one
-    copy is of the pack of bias-correction powers, 4 x 2 numbers). XLA's path compiles 16 fusions (optax: 15)."""
+    copy is of the pack of bias-correction products, 4 x 2 numbers). XLA's path compiles 17 fusions (optax: 15)."""
     m = {f"w{i}": jnp.ones(16384) * (i + 1) for i in range(4)}
     m["t1"] = m["t2"] = m["w0"]
     g = jax.tree.map(lambda a: a * 0.1, m)
@@ -306,7 +306,8 @@ def test_donated_step_runs_in_place():
     text = compiled.as_text()
     c = entry_counts(text)
     assert text.count('custom_call_target="optim_fused"') == 1
-    assert c["copies"] <= 1 and c["fusions"] <= 4
+    # fusions: the step counter, β, the pack's new products of the β's, their corrections (which read them)
+    assert c["copies"] <= 1 and c["fusions"] <= 5
     assert all("f32[4,2]" in line for line in text[text.index("ENTRY"):].splitlines() if " copy(" in line)
     assert text.count("may-alias") == len(jax.tree.leaves((state, m)))     # every output reuses its input
     new_state, new = compiled(state, m, g)
