@@ -46,11 +46,15 @@ RULES = {
     "Adam bf16 moments": lambda: optim.Adam(1e-2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     "clip+Adam": lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-2)),
     "SkipNonFinite(Adam)": lambda: optim.SkipNonFinite(optim.Adam(1e-2)),
+    "AdamW": lambda: optim.AdamW(1e-2, weight_decay=0.1),
+    "clip+AdamW": lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-2, weight_decay=0.1)),
+    "Cautious(AdamW)": lambda: optim.Cautious(optim.AdamW(1e-2, weight_decay=0.1)),
+    "Lion+WeightDecay": lambda: optim.chain(optim.Lion(1e-3), optim.WeightDecay(1e-2)),
     "Lion": lambda: optim.Lion(1e-3),
     "Momentum": lambda: optim.Momentum(1e-2),
     "RMSProp centred": lambda: optim.RMSProp(1e-2, centred=True),
     "Adam lr schedule": lambda: optim.Adam(optim.warmup_cosine(1e-2, 2, 10)),
-    "by_path": lambda: optim.by_path({"wide.*": optim.Lion(1e-3), "*": optim.Adam(1e-2)}),
+    "by_path": lambda: optim.by_path({"wide.*": optim.Lion(1e-3), "*": optim.AdamW(1e-2, weight_decay=0.1)}),
 }
 
 
@@ -102,12 +106,16 @@ def test_frozen_and_skipped_members_of_a_group_keep_their_state_bitwise(monkeypa
 
 @pytest.mark.parametrize("rule, reads", [
     (optim.Adam(), False), (optim.Lion(), False), (optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam()), False),
-    (optim.SkipNonFinite(optim.Adam()), False), (optim.AdamW(weight_decay=0.1), True),
-    (optim.EMA(optim.Adam()), True), (optim.MixedPrecision(optim.Adam()), False),   # it steps its copy
-    (optim.chain(optim.WeightDecay(0.1), optim.Adam()), True)])
-def test_only_rules_whose_step_does_not_read_the_parameter_are_grouped(rule, reads, monkeypatch):
-    """A step that reads the parameter would read it through the stack's concatenation, and XLA then copies every
-    new parameter instead of writing it in place (optim._engine.group): such rules keep one parameter a stack."""
+    (optim.SkipNonFinite(optim.Adam()), False), (optim.AdamW(weight_decay=0.1), False),
+    (optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(weight_decay=0.1)), False),
+    (optim.MixedPrecision(optim.Adam()), False),                         # it steps its master copy
+    (optim.EMA(optim.Adam()), True),                                     # its state averages the parameter
+    (optim.chain(optim.WeightDecay(0.1), optim.Adam()), True),           # Adam's moments read λ x
+    (optim.SkipNonFinite(optim.AdamW(weight_decay=0.1)), True)])         # its step reads x inside a conditional
+def test_which_rules_are_grouped(rule, reads, monkeypatch):
+    """A new state that reads the parameter, or a step that reads it inside a conditional, would read it through
+    the stack's concatenation, and XLA then copies every new parameter instead of writing it in place
+    (optim._engine.group, optim._engine.members): such rules keep one parameter a stack."""
     assert _group.reads_parameter(rule) is reads
     monkeypatch.setattr(_group, "MODE", "all")
     state = optim.setup(rule, _model())
@@ -172,3 +180,21 @@ def test_grouped_program_has_fewer_kernels(monkeypatch):
 
     alone, grouped = fusions("0"), fusions("all")     # XLA:CPU: 41 and 20 (its new parameters are 12 loops)
     assert alone >= 12 * 3 and grouped <= alone - 12, (alone, grouped)
+
+
+@pytest.mark.parametrize("rule", [optim.Adam(1e-3), optim.AdamW(1e-3, weight_decay=0.1),
+                                  optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3, weight_decay=0.1))],
+                         ids=["Adam", "AdamW", "clip+AdamW"])
+def test_grouped_step_writes_the_parameters_in_place(rule, monkeypatch):
+    """A donated grouped step has no parameter-sized copy on XLA:CPU: the new parameters are written into their
+    buffers. (XLA:GPU copied every new parameter of a grouped AdamW until its step was computed per member,
+    optim._engine.members; that is checked on the deviceless GPU compile, tests/test_gpu_kernels.py.)"""
+    monkeypatch.setattr(_group, "MODE", "all")
+    model = {f"w{i}": jnp.ones(BIG) for i in range(6)}
+    state = optim.setup(rule, model)
+    assert len(state.layout.stacks) == 1
+    text = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1)).lower(
+        state, model, model).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    assert not re.findall(r"f32\[100,100\]\{[0-9,]*\} copy\(", entry), entry
+

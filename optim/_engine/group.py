@@ -9,12 +9,13 @@ stack's rule runs as one. Compiled for an H100 without a GPU (`python -m bench.k
 gradients of a stack through their concatenation inside the moments' kernel and writes every new parameter
 from one multi-output kernel.
 
-Grouped are the rules whose step does not read the parameter (`reads_parameter`): where it does (AdamW's
-decoupled weight decay, EMA's average of the new parameter) the stack's step reads the parameters through their
-concatenation, and XLA then copies every new parameter out of the multi-output kernel instead of writing it into
-its donated buffer (measured there: AdamW 111 kernels grouped, 100 of them copies, against 98 alone), so those
-keep one parameter a stack. Groups hold at most `GROUP_MAX_ELEMENTS` elements (and `STACK_MAX_MEMBERS`
-parameters), which bounds what XLA may materialise for one.
+Grouped are the rules whose new state does not read the parameter (`reads_parameter`: EMA's average of the new
+parameter does), nor their step inside a conditional (`SkipNonFinite(AdamW)`). A step that reads it (AdamW's
+decoupled weight decay) is computed per member where it does (optim._engine.members): read through the stack's
+concatenation, XLA copied every new parameter out of the multi-output kernel instead of writing it into its
+donated buffer (AdamW on 100 leaves of 400x400: 111 kernels, 100 of them copies, against 98 one parameter a
+stack). Groups hold at most `GROUP_MAX_ELEMENTS` elements (and `STACK_MAX_MEMBERS` parameters), which bounds what
+XLA may materialise for one.
 
 `OPTIM_GROUP` (read at import; `MODE` can also be set) says where: unset or `1`, in a process with a GPU or TPU
 backend (the CPU has optim's fused kernel, which stacks its own rules, `optim._engine.fused`); `0`, nowhere;
@@ -52,14 +53,14 @@ def enabled() -> bool:
 
 
 def groups(rule: Any) -> bool:
-    """Whether `rule`'s large parameters are stacked on XLA's path: grouping is on, and its step does not read
-    the parameter."""
+    """Whether `rule`'s large parameters are stacked on XLA's path: grouping is on, and its new state does not
+    read the parameter (its step may: optim._engine.members)."""
     return enabled() and not reads_parameter(rule)
 
 
 def reads_parameter(rule: Any) -> bool:
-    """Whether `rule`'s new state or step depends on the parameter's value, traced on a stack of two small
-    float32 parameters (a rule that cannot be traced so counts as reading it). Cached by the rule's structure:
+    """Whether `rule`'s new state depends on the parameter's value, traced on a stack of two small float32
+    parameters (a rule that cannot be traced so counts as reading it). Cached by the rule's structure:
     hyperparameters' values do not change what the step reads."""
     treedef = jax.tree_util.tree_structure(rule)
     found = _READS.get(treedef)
@@ -76,9 +77,20 @@ def _traced_reads(rule: Any) -> bool:
     x = jnp.zeros((2, 4), jnp.float32)
     try:
         state = jax.eval_shape(lambda a: jax.vmap(rule.init)(a), x)
-        closed = jax.make_jaxpr(lambda s, a, g: apply_all(rule, [s], [a], [(g,)]))(state, x, x)
+        closed, out = jax.make_jaxpr(lambda s, a, g: apply_all(rule, [s], [a], [(g,)]), return_shape=True)(
+            state, x, x)
     except Exception:     # noqa: BLE001 (a rule that needs other shapes: not grouped, as before)
         return True
     n_state = len(jax.tree.leaves(state))
     labels = [frozenset()] * n_state + [frozenset({"x"}), frozenset()]
-    return any("x" in d for d in output_deps(closed.jaxpr, labels))
+    deps = output_deps(closed.jaxpr, labels)
+    n_new = len(jax.tree.leaves(out[0]))     # the new states' leaves come first; the steps may read x
+    # ... except inside a conditional (SkipNonFinite's), whose branches optim._engine.members cannot split
+    return any("x" in d for d in deps[:n_new]) or (any("x" in d for d in deps[n_new:]) and _has_cond(closed.jaxpr))
+
+
+def _has_cond(jaxpr: Any) -> bool:
+    from jax.extend.core import jaxprs_in_params    # noqa: PLC0415
+
+    return any(e.primitive.name == "cond" or any(_has_cond(j) for j in jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from . import hoist as hoist
+from . import members as members
 from .pack import assemble, pinned
-from .stack import constrain, constrain_stack, put_rows, stack_arrays, take_rows
+from .stack import GROUPED, constrain, constrain_stack, put_rows, stack_arrays, take_rows, traced_sharded
 from .._rules.protocol import apply_step, step_row
 
 __all__ = ["rule_step", "mirrors", "key"]
@@ -40,11 +41,16 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
     dxs = [tuple(stack_arrays([_conj(d[t]) for d in g]) for t in range(len(g[0]))) for g in gs]
     places = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
     # The rule's step per stack, in the state's stored form (packed small leaves: optim._engine.pack), its small
-    # arithmetic run once per pack where the rule allows (optim._engine.hoist).
-    results, written = hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs)
+    # arithmetic run once per pack where the rule allows (optim._engine.hoist); in a group of large parameters
+    # (optim._engine.group), the arithmetic that reads a parameter is done in its own array (optim._engine.members).
+    grouped = [(GROUPED, p.rule) in lay.wide and len(x) > 1 and all(isinstance(a, jax.core.Tracer) for a in x)
+               and not traced_sharded(x[0]) for p, x in zip(places, xs)]
+    results, written, member_steps = members.evaluate(
+        lambda xx: hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs), xx,
+        [tuple(x) if g else None for g, x in zip(grouped, xs)])
     written = pinned(written, stacks, [p.state_place for p in places])
     new_stacks, new_params = [], []
-    for j, stack, n, x, (st, d) in zip(js, stacks, sizes, xs, results):
+    for j, stack, n, x, (st, d), own in zip(js, stacks, sizes, xs, results, member_steps):
         rows = prog.stack_plan[j][0]
         new = put_rows(stack, rows, _same_dtypes(st, take_rows(stack, rows, n)), n)
         # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
@@ -57,7 +63,7 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
         new_stacks.append(new)
         # The step is applied to the parameter's own array (not a slice of the stack), so XLA fuses the
         # update into one kernel per leaf that writes the new parameter directly.
-        new_x = [apply_step(xm, step_row(d, m)) for m, xm in enumerate(x)]
+        new_x = [apply_step(xm, step_row(d, m) if own is None else own[m]) for m, xm in enumerate(x)]
         if first.state_place is not None:
             new_x = [constrain(v, lay.params[prog.stepping[a]].place)
                      for v, a in zip(new_x, prog.stack_plan[j][2])]
