@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench dist test-min-jax clean
+.PHONY: demo test bench dist test-min-jax gpu-kernels gpu-env test-gpu-kernels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,5 +52,25 @@ test-min-jax: $(BIN)/python
 	$(MINVENV)/bin/python -m pytest -q tests/test_update.py tests/test_ties.py tests/test_checkpoint.py tests/test_fused.py \
 		--deselect tests/test_update.py::test_return_stats_adds_reductions_not_a_second_pass_over_the_gradients
 
+# How many GPU kernels one jitted update step launches, optim vs optax, counted without a GPU: XLA's deviceless
+# compile for an H100 (bench/kernels.py; bench/gpu_specs/h100_sxm.txtpb) in a third environment with the CUDA
+# plugin and ptxas (~1.2 GB). optim is taken from the work tree (PYTHONPATH: no kernel build).
+GPUVENV := .venv-gpu
+GPU_JAX := 0.10.2
+gpu-env:
+	test -x $(GPUVENV)/bin/python || $(PYTHON) -m venv $(GPUVENV)
+	$(GPUVENV)/bin/python -m pip install -q --disable-pip-version-check "jax==$(GPU_JAX)" "jaxlib==$(GPU_JAX)" \
+		"jax-cuda12-plugin==$(GPU_JAX)" "jax-cuda12-pjrt==$(GPU_JAX)" nvidia-cuda-nvcc-cu12 optax chex numpy \
+		pytest hypothesis
+
+gpu-kernels: gpu-env
+	JAX_PLATFORMS=cpu PYTHONPATH=$(CURDIR) $(GPUVENV)/bin/python -m bench.kernels
+
+# The same compile as a test (tests/test_gpu_kernels.py: XLA's path grouping large parameters, OPTIM_GROUP=all,
+# bounds on the kernels and no parameter copy); .ci/run calls it after test-min-jax.
+test-gpu-kernels: gpu-env
+	JAX_PLATFORMS=cpu OPTIM_FUSED=0 PYTHONPATH=$(CURDIR) $(GPUVENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_gpu_kernels.py
+
 clean:
-	rm -rf $(VENV) $(MINVENV) *.egg-info build dist
+	rm -rf $(VENV) $(MINVENV) $(GPUVENV) *.egg-info build dist

@@ -51,6 +51,8 @@ RULES = {
     "Cautious(AdamW)": lambda: optim.Cautious(optim.AdamW(1e-2, weight_decay=0.1)),
     "Lion+WeightDecay": lambda: optim.chain(optim.Lion(1e-3), optim.WeightDecay(1e-2)),
     "Lion": lambda: optim.Lion(1e-3),
+    "Muon": lambda: optim.by_path({"b": optim.Adam(1e-2), "*": optim.Muon(1e-2)}),   # Newton-Schulz batched
+    "Adafactor": lambda: optim.Adafactor(1e-2),
     "Momentum": lambda: optim.Momentum(1e-2),
     "RMSProp centred": lambda: optim.RMSProp(1e-2, centred=True),
     "Adam lr schedule": lambda: optim.Adam(optim.warmup_cosine(1e-2, 2, 10)),

@@ -74,7 +74,7 @@ def _traced_reads(rule: Any) -> bool:
     from .._rules.schedules import resolve    # noqa: PLC0415
 
     rule = resolve(rule, jnp.zeros((), jnp.int32))     # as update runs it: its schedules' values at a step
-    x = jnp.zeros((2, 4), jnp.float32)
+    x = jnp.zeros((2, 4, 6), jnp.float32)     # two 4x6 matrices: rules of matrices (Muon) trace too
     try:
         state = jax.eval_shape(lambda a: jax.vmap(rule.init)(a), x)
         closed, out = jax.make_jaxpr(lambda s, a, g: apply_all(rule, [s], [a], [(g,)]), return_shape=True)(
