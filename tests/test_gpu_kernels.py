@@ -62,3 +62,15 @@ def test_grouped_step_kernels(name, size):
     got = K.count(jax.jit(K.optim_step, donate_argnums=(0, 1)), *args)
     assert got["param_copies"] == 0, got                       # every new parameter written in place
     assert got["kernels"] <= bound, got
+
+
+def test_the_rounding_of_a_bfloat16_parameter_survives_xla_gpu():
+    """On an H200, `return_stats` reported the unrounded update of a bfloat16 parameter (XLA:GPU allows excess
+    precision and dropped the float32 -> bfloat16 -> float32 round trip inside a fusion). The program rounds
+    explicitly (`optim._rules.protocol.widened`); XLA:GPU's optimized program keeps that rounding."""
+    params = {"w": jnp.ones((4096,), jnp.bfloat16)}
+    state = optim.setup(optim.MixedPrecision(optim.Descent(1e-3)), params)
+    where = K.sharding()
+    args = [K.abstract(a, where) for a in (state, params, params)]
+    text = jax.jit(lambda s, m, g: optim.update(s, m, g, return_stats=True)).lower(*args).compile().as_text()
+    assert "reduce-precision(" in text and "exponent_bits=8, mantissa_bits=7" in text
