@@ -45,7 +45,7 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack), and the rules `r` given as
     `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`). Deterministic, in
     parameter order."""
-    from .group import GROUP_MAX_ELEMENTS    # noqa: PLC0415 (group imports this module's users' layer)
+    from .group import GROUP_MAX_ELEMENTS    # noqa: PLC0415 (read at each call: a test may change it)
 
     by_key: dict = {}
     out: list[list[int]] = []

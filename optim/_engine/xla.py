@@ -9,6 +9,7 @@ to where they do not apply (a program lowered for another platform, a derivative
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 from . import hoist as hoist
 from . import members as members
 from .pack import assemble, pinned
-from .stack import GROUPED, constrain, constrain_stack, put_rows, stack_arrays, take_rows, traced_sharded
+from .stack import (GROUPED, STACK_MAX_SIZE, constrain, constrain_stack, put_rows, stack_arrays, take_rows,
+                    traced_sharded)
 from .._rules.protocol import apply_step, step_row
 
 __all__ = ["rule_step", "mirrors", "key"]
@@ -43,8 +45,9 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
     # The rule's step per stack, in the state's stored form (packed small leaves: optim._engine.pack), its small
     # arithmetic run once per pack where the rule allows (optim._engine.hoist); in a group of large parameters
     # (optim._engine.group), the arithmetic that reads a parameter is done in its own array (optim._engine.members).
-    grouped = [(GROUPED, p.rule) in lay.wide and len(x) > 1 and all(isinstance(a, jax.core.Tracer) for a in x)
-               and not traced_sharded(x[0]) for p, x in zip(places, xs)]
+    grouped = [(GROUPED, p.rule) in lay.wide and math.prod(p.shape) > STACK_MAX_SIZE and len(x) > 1
+               and all(isinstance(a, jax.core.Tracer) for a in x) and not traced_sharded(x[0])
+               for p, x in zip(places, xs)]
     results, written, member_steps = members.evaluate(
         lambda xx: hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs), xx,
         [tuple(x) if g else None for g, x in zip(grouped, xs)])
