@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._engine.strategies import wide_rules
-from .._rules.protocol import Rule, inner_fields, is_rule, looks_across
+from .._rules.protocol import Rule, inner_fields, inner_rules, is_rule, looks_across
 from .._rules.schedules import Schedule
 from .._rules.hyper import canonical_numbers
 from .state import Layout, PathError, State, unwrap, with_frozen
@@ -166,9 +166,7 @@ def _fields(rules) -> set[str]:
     for r in rules:
         if dataclasses.is_dataclass(r):
             out |= {f.name for f in dataclasses.fields(r) if f.name not in getattr(r, "_static", ())}
-            for name in inner_fields(r):
-                v = getattr(r, name)
-                out |= _fields(v if isinstance(v, tuple) else (v,))
+            out |= _fields(inner_rules(r))
     return out
 
 

@@ -16,7 +16,7 @@ from .schedules import Hyper
 from .._engine.stack import stack_arrays
 from .._core.state import Layout, State, unwrap
 from .protocol import (Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute, average_of,
-                       inner_fields, is_rule, widened)
+                       inner_fields, inner_rules, is_rule, widened)
 from .._core.tree import PyTree, replace_fields
 
 __all__ = ["EMA", "averaged"]
@@ -104,10 +104,8 @@ class EMA(Rule):
 def _emas(rule: Any) -> list:
     """Every `EMA` in `rule` (itself, a chain's stages, a wrapper's rule: `inner_fields`), outermost first."""
     found = [rule] if isinstance(rule, EMA) else []
-    for name in inner_fields(rule):
-        v = getattr(rule, name)
-        for r in v if isinstance(v, tuple) else (v,):
-            found += _emas(r)
+    for r in inner_rules(rule):
+        found += _emas(r)
     return found
 
 

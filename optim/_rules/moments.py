@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .protocol import abs2, compute_dtype, inner_fields, pair_of, real_dtype, tuple_of
+from .protocol import abs2, compute_dtype, inner_rules, pair_of, real_dtype, tuple_of
 
 __all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next",
            "debias"]
@@ -128,10 +128,8 @@ def powers_from_next(rule: Any, state: Any) -> Any:
     def rules_of(r):
         if hasattr(r, "beta") and _keeps_powers(r):
             owners.append(r)
-        for name in inner_fields(r):
-            v = getattr(r, name)
-            for inner in v if isinstance(v, tuple) else (v,):
-                rules_of(inner)
+        for inner in inner_rules(r):
+            rules_of(inner)
 
     rules_of(rule)
     found = [s for s in jax.tree.leaves(state, is_leaf=_has_powers) if _has_powers(s)]

@@ -366,12 +366,10 @@ def looks_across(rule: Any) -> str | None:
     own = getattr(rule, "_across", None)
     if own or (own is None and hasattr(rule, "apply_tree")):
         return type(rule).__name__
-    for name in inner_fields(rule):
-        v = getattr(rule, name)
-        for r in v if isinstance(v, tuple) else (v,):
-            found = looks_across(r)
-            if found:
-                return found
+    for r in inner_rules(rule):
+        found = looks_across(r)
+        if found:
+            return found
     return None
 
 
@@ -388,13 +386,21 @@ def inner_fields(rule: Any) -> list[str]:
     return out
 
 
+def inner_rules(rule: Any) -> list:
+    """The rules held in `rule`'s `inner_fields`, in field order (a chain's stages in order)."""
+    out: list = []
+    for name in inner_fields(rule):
+        v = getattr(rule, name)
+        out += v if isinstance(v, tuple) else [v]
+    return out
+
+
 def stacks_large(rule: Any) -> bool:
     """Whether `rule`, or a rule inside it (a chain's stage, a wrapper's rule), asks for its large parameters
     to be stacked (`Rule._stack_large`)."""
     if getattr(rule, "_stack_large", False):
         return True
-    return any(stacks_large(r) for name in inner_fields(rule)
-               for r in (getattr(rule, name) if isinstance(getattr(rule, name), tuple) else (getattr(rule, name),)))
+    return any(stacks_large(r) for r in inner_rules(rule))
 
 
 def formula_of(rule: Any) -> str | None:
