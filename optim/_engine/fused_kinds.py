@@ -73,8 +73,8 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
         b1, b2 = col["b1"], col["b2"]
         def powers(bt):     # the products of the β's with this step's (see optim._rules.moments.bt_init)
             return bt_next(bt, (b1, b2), x)
-        bt, writes = _pack_step(call, flat, packs, ARRAYS[kind], powers, ok)
-        bt = powers(bt).astype(jnp.float32)
+        _, bt, writes = _pack_step(call, flat, packs, ARRAYS[kind], powers, ok)
+        bt = bt.astype(jnp.float32)
         col.update(zip(("c1", "c2"), debias(bt.T)))
         if kind in (_ADAMW, _ADAMW_COUPLED, _ADEMAMIX):
             col["wd"] = as_compute(rule.weight_decay, x)
@@ -83,11 +83,11 @@ def scalars(kind: int, plan: Any, x: jax.Array, call: list, flat: list, packs: t
         if kind == _NADAM:       # NAdam's factors of m, of g and of v
             col.update(zip(("c1", "k2", "c2"), nadam_factors(b1, b2, bt.T)))
         if kind == _RADAM:       # RAdam's rectification r (in k2), and whether this step is rectified
-            t, more = _pack_step(call, flat, packs, 3, lambda t: t + 1, ok)
+            t, _, more = _pack_step(call, flat, packs, 3, lambda t: t + 1, ok)
             writes += more
             col.update(zip(("k2", "flag"), rectification(b2, t, bt[:, 1])))
     elif kind in (_ADOPT, _ADOPT_NESTEROV):     # ADOPT's clip t^¼ (inf: none), and whether it is the first step
-        t, writes = _pack_step(call, flat, packs, 2, lambda t: t + 1, ok)
+        t, _, writes = _pack_step(call, flat, packs, 2, lambda t: t + 1, ok)
         col.update(c1=clip_bound(t, col["b1"].dtype) if rule.use_clipping else jnp.inf, flag=t == 0)
     # The matrix from a few pieces: each run of columns that are one number for all members is one broadcast
     # vector (XLA:CPU fuses a concatenation of a few pieces into one loop, not of 16 columns).
@@ -108,9 +108,9 @@ _COLUMNS = ("lr", "b1", "b2", "eps", "c1", "c2", "wd", "gs", "f", "d", "ok", "k2
 
 def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.Array | None) -> tuple:
     """The call's members' values of their packed state leaf `j` (their rows of the packs, read per pack group, in
-    call order), and the new values `new(old)` as pack rows `[(group, leaf, rows of the pack, values)]` (the old
-    ones where `ok`, a flag per member, is false: a skipped step keeps its state)."""
-    runs, olds, writes, at = [], [], [], 0
+    call order), their new values `new(old)` in the same order, and those as pack rows `[(group, leaf, rows of
+    the pack, values)]` (the old ones where `ok`, a flag per member, is false: a skipped step keeps its state)."""
+    runs, olds, news, writes, at = [], [], [], [], 0
     for i, _, r in call:
         p = flat[i][0][j]
         if runs and runs[-1][0] == (p.group, p.leaf):
@@ -121,8 +121,12 @@ def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.A
         old = packs[g][leaf][row_index(tuple(rows))]
         olds.append(old)
         values = new(old)
+        news.append(values)
         if ok is not None:
             values = jnp.where(ok[at:at + len(rows)].reshape((-1,) + (1,) * (old.ndim - 1)), values, old)
         at += len(rows)
         writes.append((g, leaf, tuple(rows), values))
-    return (olds[0] if len(olds) == 1 else jnp.concatenate(olds)), writes
+    def joined(parts):
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    return joined(olds), joined(news), writes
