@@ -156,6 +156,8 @@ def workloads() -> dict:
                        _optax_ema(optax.adamw(1e-3, weight_decay=0.1), 0.999)),
         "Adam bf16 moments": (optim.Adam(1e-3, mu_dtype=bf16, nu_dtype=bf16), optax.adam(1e-3, mu_dtype=bf16)),
         "Muon": (optim.Muon(0.02), optax.contrib.muon(0.02)),
+        "AdamW q8": (optim.AdamW(1e-3, weight_decay=0.1, mu_dtype=optim.q8, nu_dtype=optim.q8), None),
+        "AdamW q4": (optim.AdamW(1e-3, weight_decay=0.1, mu_dtype=optim.q4, nu_dtype=optim.q4), None),
     }
 
 

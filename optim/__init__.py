@@ -33,9 +33,11 @@ from ._rules.schedules import (
     WSD, Constant, Cosine, Exponential, InvSqrt, Join, Linear, Piecewise, Polynomial, Schedule, warmup_cosine,
 )
 from ._core.setup import by_path, setup
-from ._core.state import Layout, Leaf, PathError, State
+from ._core.state import Layout, Leaf, PathError, State, state_bytes
+from ._rules.quantized import Quantized, q4, q8
 from ._io.state_dict import load_state_dict, state_dict
 from ._rules.protocol import Gated, Replace, Rule, apply_all, apply_step
+from ._rules.rounding import StochasticRounding
 from ._core.surgery import donatable, graft, reset, retie, subtree
 from ._core.update import global_norm, tie_grads, update
 from ._info import print_info
@@ -58,6 +60,7 @@ __all__ = [
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
     "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "AdEMAMix", "Lion", "WeightDecay", "SignDecay",
     "ClipGrad", "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "Prodigy", "DoG",
-    "OptimiserChain", "chain", "AccumGrad", "MixedPrecision",
+    "OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "StochasticRounding",
     "print_info",
+    "Quantized", "q8", "q4", "state_bytes",
 ]

@@ -1,8 +1,11 @@
 """The benchmark suite runs (quick mode: tiny sizes, seconds), so it cannot rot. Speed is never asserted here."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import background_run
 
@@ -20,6 +23,7 @@ BACKGROUND_RUNS = {
     "test_bench_step_quick_mode_runs": (["-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
                                          ",".join(STEP_CANDIDATES), "--timeout", "900", "--out", "{out}/RESULTS.md"],
                                         {}),
+    "test_bench_lowmem_quick_mode_runs": (["-m", "bench.lowmem", "--quick", "--out", "{out}/LOWMEM.md"], {}),
     # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
     "test_bench_choosing_runs": (["-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds", "1",
                                   "--inner", "1", "--out", "{out}/CHOOSING.md"],
@@ -93,6 +97,26 @@ def test_bench_rules_quick_mode_runs(request, tmp_path):
             assert finite(c["max_rel_update_diff"]) and c["passed"], (name, c)
     text = out.read_text()
     assert "| optim jit |" in text and "| optax |" in text
+
+
+def test_bench_lowmem_quick_mode_runs(request, tmp_path):
+    """`python -m bench.lowmem --quick`: every storage format and the bfloat16-parameter runs train a few steps
+    of a tiny LM (finite held-out losses), the state bytes per parameter are what the formats store (float32
+    moments 8, bfloat16 4; q8 and q4 less than float32 but more than their codes alone at this tiny size, where
+    the biases keep float32 moments), and the step-time table has its rows. No timing asserts."""
+    import json
+
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    res = json.loads((folder / "LOWMEM.json").read_text())["models"]["quick"]
+    runs = res["runs"]
+    assert all(math.isfinite(r["val"]) for r in runs.values())
+    per = {k: r["bytes_per_param"] for k, r in runs.items()}
+    assert per["AdamW float32"] == pytest.approx(8, abs=0.05)
+    assert per["AdamW bfloat16 m, v"] == pytest.approx(4, abs=0.05)
+    assert 2 < per["AdamW q8"] < 8 and 1 < per["AdamW q4"] < per["AdamW q8"]
+    assert {"AdamW q8", "AdamW q4", "AdamW float32"} <= set(res["step_seconds"])
+    assert "| AdamW q4 |" in (folder / "LOWMEM.md").read_text()
 
 
 def test_bench_choosing_runs(request, tmp_path):

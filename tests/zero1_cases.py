@@ -410,6 +410,7 @@ def every_rule() -> dict:
         "Lamb": optim.Lamb(0.01), "Lars": optim.Lars(1.0, weight_decay=0.01),
         "ScheduleFreeAdamW": optim.ScheduleFreeAdamW(0.01), "AccumGrad": optim.chain(optim.AccumGrad(2), adam),
         "MixedPrecision": optim.MixedPrecision(jnp.float32, adam),
+        "StochasticRounding": optim.StochasticRounding(adam, seed=1),
         "ClipGlobalNorm": optim.chain(optim.ClipGlobalNorm(0.5), adam), "SkipNonFinite": optim.SkipNonFinite(adam),
         "SkipLargeUpdates": optim.SkipLargeUpdates(adam, warmup=1), "EMA": optim.EMA(adam, decay=0.9),
         "Muon": optim.Muon(0.02), "MuonAdaptive": optim.Muon(0.02, adaptive=True, nesterov=False, weight_decay=0.1),

@@ -6,6 +6,7 @@ stack's initial state is made where its parameters live (`init_stack`), and how 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from .._core.cache import memoize
 from .._core.tree import canonical_dtype, show
+from .._rules.quantized import QuantizedArray
 
 
 # Stacking rule (measured on XLA:CPU, Adam, `bench/NOTES.md`): for leaves of up to ~8k elements one kernel per
@@ -248,17 +250,51 @@ def place_stack(tree: Any, sharding: Any, shape: tuple) -> Any:
     places = None if sharding is None else stack_shardings(sharding)
     if places is None:
         return tree
-    stacked, rep = places
 
-    def put(a: Any) -> Any:
+    def put(a: Any, want: Any) -> Any:
         if isinstance(a, jax.core.Tracer) or not hasattr(a, "shape"):
             return a
-        want = stacked if tuple(a.shape[1:]) == shape and a.ndim == len(shape) + 1 else rep
         if isinstance(a, jax.Array) and (a.sharding is want or a.sharding.is_equivalent_to(want, a.ndim)):
             return a
         return jax.device_put(a, want)
 
-    return jax.tree.map(put, tree)
+    return _map_placed(put, tree, sharding, places, shape)
+
+
+def _map_placed(f: Any, tree: Any, sharding: Any, places: tuple, shape: tuple) -> Any:
+    """`f(array, its sharding)` over a stack's state tree: arrays of the parameters' shape get the stacked
+    sharding, a quantised moment's codes and scales `quantized_shardings`, the rest the replicated one."""
+    stacked, rep = places
+
+    def one(a: Any) -> Any:
+        if isinstance(a, QuantizedArray):
+            codes, scale = quantized_shardings(sharding, shape, a.fmt.block) or (rep, rep)
+            return dataclasses.replace(a, codes=f(a.codes, codes), scale=f(a.scale, scale))
+        return f(a, stacked if hasattr(a, "shape") and tuple(a.shape[1:]) == shape and a.ndim == len(shape) + 1
+                 else rep)
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, QuantizedArray))
+
+
+def quantized_shardings(sharding: Any, shape: tuple, block: int) -> tuple | None:
+    """The shardings of a stack's quantised moment's codes and scales (`optim._rules.quantized`) for a
+    parameter whose state `sharding` splits only its first axis, into parts of whole blocks: the codes' and
+    scales' block axis split the same way, so each device reads and writes the blocks of its own rows (ZeRO-1
+    keeps its memory saving and needs no communication). None (replicated) for any other sharding: correct,
+    but every device holds the whole moment."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if spec[0] is None or any(d is not None for d in spec[1:]):
+        return None
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    parts = math.prod(sharding.mesh.shape[n] for n in names)
+    if shape[0] % parts or (math.prod(shape) // parts) % block:
+        return None
+    P = jax.sharding.PartitionSpec   # noqa: N806
+    kind = sharding.memory_kind
+    return (jax.sharding.NamedSharding(sharding.mesh, P(None, spec[0], None), memory_kind=kind),
+            jax.sharding.NamedSharding(sharding.mesh, P(None, spec[0]), memory_kind=kind))
 
 
 def constrain_stack(tree: Any, sharding: Any, shape: tuple) -> Any:
@@ -267,9 +303,7 @@ def constrain_stack(tree: Any, sharding: Any, shape: tuple) -> Any:
     places = None if sharding is None else stack_shardings(sharding)
     if places is None or not isinstance(sharding, jax.sharding.NamedSharding):
         return tree
-    stacked, rep = places
-    return jax.tree.map(lambda a: constrain(a, stacked if tuple(a.shape[1:]) == shape and a.ndim == len(shape) + 1
-                                            else rep), tree)
+    return _map_placed(constrain, tree, sharding, places, shape)
 
 
 def constrain(x: jax.Array, sharding: Any) -> jax.Array:

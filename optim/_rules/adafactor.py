@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hyper as _hyper
-from .moments import load, mu_zeros, StateDtypes
+from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, abs2, compute_dtype, real_dtype, as_compute
 
@@ -169,7 +169,7 @@ class Adafactor(StateDtypes, Rule):
             (m,) = load(x, state["m"])
             u = moments["m"] = beta * m + (1 - beta) * u
         # moments are computed unrounded and rounded only to be stored (their dtype at init)
-        new = {k: a.astype(state[k].dtype) for k, a in moments.items()}
+        new = {k: store((a,), (state[k],))[0] for k, a in moments.items()}
         return {"count": count, **new}, u + c(self.weight_decay) * x
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import hyper as _hyper
 from .._core.export import register_for_export
-from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes
+from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes, store
 from .adam import AdamState
 from .schedules import Hyper
 from .protocol import Rule, abs2, eps_of, zeros_real, as_compute
@@ -209,7 +209,7 @@ class Muon(StateDtypes, Rule):
         else:
             scale = max(fan_in, fan_out) ** 0.5 * c(self.consistent_rms)
         step = c(self.lr) * (scale * o + c(self.weight_decay) * x)
-        return MuonState(mu.astype(state.mu.dtype), count), step
+        return MuonState(store((mu,), (state.mu,))[0], count), step
 
 
 # ----------------------------------------------------------------------------------------------- layer-wise

@@ -1,8 +1,10 @@
 """Moments: how rules store running averages of gradients.
 
-- Storage dtypes (`mu_dtype`, `nu_dtype`): the Adam family (Adam, AdamW, NAdam, RAdam, AMSGrad, AdaBelief) takes
-  both, Lion, Momentum, Muon and Adafactor take `mu_dtype`. They are real floating dtypes or None (the default:
-  the parameter's dtype, its real dtype for second moments), structural (a dtype changes the program, `adjust`
+- Storage dtypes (`mu_dtype`, `nu_dtype`): the Adam family (Adam, AdamW, NAdam, RAdam, AMSGrad, AdaBelief),
+  ADOPT, AdEMAMix (`mu_dtype` for both its first moments) and RMSProp (`nu_dtype` for `q`, `mu_dtype` for the
+  centred `l`) take both, Lion, Momentum, Muon and Adafactor take `mu_dtype`. They are real floating dtypes,
+  `Quantized` formats (8 or 4 bits a number, blockwise: `optim._rules.quantized`) or None (the default: the
+  parameter's dtype, its real dtype for second moments), structural (a dtype changes the program, `adjust`
   refuses it), and checked when the rule is built. `load` reads a stored moment in the wider of its dtype and
   the compute dtype (a bfloat16 moment is updated in float32, a float64 run is not truncated); rules compute the
   step from the unrounded new moments and `store` rounds them to their storage dtype (as optax's `mu_dtype`).
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .protocol import abs2, compute_dtype, inner_rules, pair_of, real_dtype, tuple_of
+from .quantized import Quantized, QuantizedArray, quantize
 
 __all__ = ["StateDtypes", "dtype_arg", "mu_zeros", "nu_zeros", "load", "store", "moments", "bt_init", "bt_next",
            "debias"]
@@ -30,16 +33,17 @@ COMPLEX_OF = {jnp.dtype(jnp.float32): jnp.dtype(jnp.complex64), jnp.dtype(jnp.fl
 
 
 def dtype_arg(owner: str, name: str, v: Any) -> Any:
-    """A `mu_dtype` / `nu_dtype` argument in stored form: None, or a real floating `jnp.dtype`."""
-    if v is None:
-        return None
+    """A `mu_dtype` / `nu_dtype` argument in stored form: None, a `Quantized` format, or a real floating
+    `jnp.dtype`."""
+    if v is None or isinstance(v, Quantized):
+        return v
     try:   # a dtype, a scalar type (jnp.bfloat16) or a name ("bfloat16"); not an array, whose dtype jnp.dtype reads
         d = jnp.dtype(v) if isinstance(v, (np.dtype, type, str)) else None
     except (TypeError, ValueError):
         d = None
     if d is None or not jnp.issubdtype(d, jnp.floating):
-        raise TypeError(f"{owner}: {name} must be a real floating dtype (jnp.bfloat16, jnp.float32, ...) or None, "
-                        f"got {v!r}")
+        raise TypeError(f"{owner}: {name} must be a real floating dtype (jnp.bfloat16, jnp.float32, ...), a "
+                        f"Quantized format (optim.q8, optim.q4) or None, got {v!r}")
     return d
 
 
@@ -53,10 +57,13 @@ class StateDtypes:
                 object.__setattr__(self, name, dtype_arg(type(self).__name__, name, getattr(self, name)))
 
 
-def mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
+def mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> Any:
     """A first moment of `x` filled with `fill`, in `rule.mu_dtype` (default: `x`'s dtype); for a complex `x`,
-    the complex dtype of `mu_dtype`'s precision."""
-    d = rule.mu_dtype
+    the complex dtype of `mu_dtype`'s precision; a `QuantizedArray` (signed map) where `mu_dtype` is a
+    `Quantized` format and `x` is large enough (`Quantized.min_size`)."""
+    d = _format_for(rule, "mu_dtype", x)
+    if isinstance(d, Quantized):
+        return quantize(jnp.full(x.shape, fill, compute_dtype(x)), d, signed=True)
     if d is not None and jnp.iscomplexobj(x):
         if d not in COMPLEX_OF:
             raise TypeError(f"{type(rule).__name__}: mu_dtype={d.name} cannot hold the first moment of a complex "
@@ -66,20 +73,42 @@ def mu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
     return jnp.full_like(x, fill, dtype=d)
 
 
-def nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> jax.Array:
-    """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype)."""
-    return jnp.full(x.shape, fill, real_dtype(x) if rule.nu_dtype is None else rule.nu_dtype)
+def nu_zeros(rule: Any, x: jax.Array, fill: Any = 0) -> Any:
+    """A second moment of `x` filled with `fill`, in `rule.nu_dtype` (default: `x`'s real dtype); a
+    `QuantizedArray` (unsigned map) where `nu_dtype` is a `Quantized` format and `x` is large enough."""
+    d = _format_for(rule, "nu_dtype", x)
+    if isinstance(d, Quantized):
+        return quantize(jnp.full(x.shape, fill, compute_dtype(x)), d, signed=False)
+    return jnp.full(x.shape, fill, real_dtype(x) if d is None else d)
 
 
-def load(x: jax.Array, *moments: jax.Array) -> tuple:
-    """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype."""
+def _format_for(rule: Any, name: str, x: jax.Array) -> Any:
+    """`rule`'s storage option `name` for `x`: a `Quantized` format becomes None (the default storage) for a
+    parameter smaller than its `min_size`, and is a `ValueError` for a complex one."""
+    d = getattr(rule, name)
+    if not isinstance(d, Quantized):
+        return d
+    if x.size < d.min_size:
+        return None
+    if jnp.iscomplexobj(x):
+        raise ValueError(f"{type(rule).__name__}: {name}={d!r} cannot store the moments of a complex parameter "
+                         f"({jnp.dtype(x.dtype).name}, {x.size} numbers): its codes are real; give this parameter "
+                         "another rule with optim.by_path, or a float dtype")
+    return d
+
+
+def load(x: jax.Array, *moments: Any) -> tuple:
+    """Stored moments in the dtype to compute with: the wider of their own and `x`'s compute dtype (a
+    `QuantizedArray` dequantised to float32 first)."""
     c = compute_dtype(x)
+    moments = tuple(a.dequantize() if isinstance(a, QuantizedArray) else a for a in moments)
     return tuple(a.astype(jnp.promote_types(a.dtype, c)) for a in moments)
 
 
 def store(new: tuple, old: tuple) -> tuple:
-    """New moments rounded to the storage dtypes of the old ones."""
-    return tuple(n.astype(o.dtype) for n, o in zip(new, old))
+    """New moments rounded to the storage of the old ones: their dtype, or their `Quantized` format."""
+    return tuple(quantize(n, o.fmt, o.signed) if isinstance(o, QuantizedArray) else n.astype(o.dtype)
+                 for n, o in zip(new, old))
 
 
 # ----------------------------------------------------------------------------------------------- Adam moments

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._core.export import register_for_export
-from .moments import load, mu_zeros, StateDtypes
+from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, pair_of, as_compute, where
 
@@ -91,7 +91,7 @@ class Momentum(StateDtypes, Rule):
     def apply(self, v0, x, dx, *dxs):
         (v,) = load(x, v0)
         v = as_compute(self.rho, x) * v + as_compute(self.lr, x) * dx
-        return v.astype(v0.dtype), v
+        return store((v,), (v0,))[0], v
 
 
 class Nesterov(Rule):
@@ -218,4 +218,4 @@ class Lion(StateDtypes, Rule):
         (m,) = load(x, m0)
         b1, b2 = pair_of(self.beta, x)
         step = as_compute(self.lr, x) * jnp.sign(b1 * m + (1 - b1) * dx)
-        return (b2 * m + (1 - b2) * dx).astype(m0.dtype), step
+        return store((b2 * m + (1 - b2) * dx,), (m0,))[0], step

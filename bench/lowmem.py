@@ -1,0 +1,212 @@
+"""Low-memory optimiser state: quality, bytes and speed of quantised moments and stochastic rounding.
+
+    python -m bench.lowmem                       # ~20 minutes on 2 CPU cores; writes bench/LOWMEM.md (+ .json, .png)
+    python -m bench.lowmem --quick --out /tmp/LOWMEM.md     # seconds: the suite's smoke run
+
+Models: the demo's tied character LM (`examples/train_tied_lm.py`, "small": width 128, 2 layers) and a larger
+GPT-style one (width 256, 4 layers, context 64), trained on the same batches in one process with
+`chain(ClipGlobalNorm(1), AdamW(warmup_cosine, weight_decay=0.1))` whose moments are float32, bfloat16, `q8`
+or `q4`; and on bfloat16 parameters with `StochasticRounding(rule)` against `MixedPrecision(float32, rule)` (a
+float32 master copy) and plain bfloat16 updates. Reported: the held-out loss at the end (mean over fixed
+batches), the optimiser state's bytes per parameter (`optim.state_bytes`), and the optimiser step's time on
+the model's real gradients relative to float32 AdamW's, on XLA's path (`OPTIM_FUSED` off) and against the
+fused CPU kernel (interleaved rounds, median). `--maps` also trains with other code maps (mantissa bits) for
+the 4-bit and 8-bit formats: the measurement behind `optim._rules.quantized.MANTISSA`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optim
+from optim._engine import fused
+from optim._rules import quantized as Q
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_tied_lm as lm  # noqa: E402
+
+MODELS = {
+    "demo LM": dict(d=128, layers=2, heads=4, ctx=128, batch=32),
+    "GPT-style": dict(d=256, layers=4, heads=8, ctx=64, batch=16),
+    "quick": dict(d=32, layers=1, heads=2, ctx=16, batch=4),
+}
+
+
+def adamw(steps: int, mu=None, nu=None) -> optim.Rule:
+    sched = optim.warmup_cosine(3e-3, max(steps // 10, 1), max(steps, 2), final=3e-4)
+    return optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(sched, weight_decay=0.1, mu_dtype=mu, nu_dtype=nu))
+
+
+def configs(steps: int, maps: bool) -> list[tuple[str, str, object, dict | None]]:
+    """(name, parameter dtype, rule, code-map override) per run."""
+    out = [("AdamW float32", "float32", adamw(steps), None),
+           ("AdamW bfloat16 m, v", "float32", adamw(steps, jnp.bfloat16, jnp.bfloat16), None),
+           ("AdamW q8", "float32", adamw(steps, optim.q8, optim.q8), None),
+           ("AdamW q4", "float32", adamw(steps, optim.q4, optim.q4), None),
+           ("bf16 params, float32 master copy", "bfloat16", optim.MixedPrecision(jnp.float32, adamw(steps)), None),
+           ("bf16 params, plain", "bfloat16", adamw(steps), None)]
+    if hasattr(optim, "StochasticRounding"):
+        out.append(("bf16 params, StochasticRounding", "bfloat16", optim.StochasticRounding(adamw(steps)), None))
+    if maps:
+        for key, m in [((4, True), 0), ((4, False), 0), ((4, False), 2), ((8, True), 2), ((8, False), 4)]:
+            if Q.MANTISSA[key] != m:
+                fmt = optim.q4 if key[0] == 4 else optim.q8
+                out.append((f"AdamW q{key[0]}, {'m' if key[1] else 'v'} map M={m}", "float32",
+                            adamw(steps, fmt, fmt), {key: m}))
+    return out
+
+
+def train(cfg: dict, steps: int, rule, dtype: str, ids, vocab: int, seed: int = 0) -> dict:
+    params = lm.init_params(jax.random.key(seed), vocab, **cfg)
+    params = optim.retie(optim.setup(optim.Descent(), params), jax.tree.map(lambda a: a.astype(dtype), params))
+    state = optim.setup(rule, params)
+    heads = cfg["heads"]
+
+    @jax.jit
+    def step(state, params, x, y):
+        loss, g = jax.value_and_grad(lm.loss_fn)(params, x, y, heads)
+        state, params = optim.update(state, params, g)
+        return state, params, loss
+
+    evaluate = jax.jit(lambda p, x, y: lm.loss_fn(jax.tree.map(lambda a: a.astype(jnp.float32), p), x, y, heads))
+    data = lm.batches(ids[: len(ids) * 9 // 10], cfg["batch"], cfg["ctx"], np.random.default_rng(seed))
+    held = lm.batches(ids[len(ids) * 9 // 10:], cfg["batch"], cfg["ctx"], np.random.default_rng(seed + 1))
+    held = [next(held) for _ in range(8)]
+    curve = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x, y = next(data)
+        state, params, loss = step(state, params, x, y)
+        curve.append(float(loss))
+    val = float(np.mean([evaluate(params, x, y) for x, y in held]))
+    return dict(curve=curve, val=val, seconds=time.perf_counter() - t0, bytes=optim.state_bytes(state),
+                state=state)
+
+
+def n_params(state: optim.State) -> int:
+    return sum(int(np.prod(p.shape)) for p in state.layout.params)
+
+
+def step_times(cfg: dict, ids, vocab: int, steps: int, rounds: int, inner: int) -> dict:
+    """The optimiser step alone (donated, jitted `optim.update` on one batch's real gradients), median seconds of
+    `inner` calls per round over `rounds` interleaved rounds; float32 AdamW on XLA's path and in the kernel."""
+    params = lm.init_params(jax.random.key(0), vocab, **cfg)
+    x, y = next(lm.batches(ids, cfg["batch"], cfg["ctx"], np.random.default_rng(0)))
+    g = jax.grad(lm.loss_fn)(params, x, y, cfg["heads"])
+    runs = {"AdamW float32 (fused CPU kernel)": (adamw(steps), True),
+            "AdamW float32": (adamw(steps), False),
+            "AdamW bfloat16 m, v": (adamw(steps, jnp.bfloat16, jnp.bfloat16), False),
+            "AdamW q8": (adamw(steps, optim.q8, optim.q8), False),
+            "AdamW q4": (adamw(steps, optim.q4, optim.q4), False)}
+    step = jax.jit(optim.update, donate_argnums=(0, 1))
+    live = {}
+    for name, (rule, kernel) in runs.items():
+        fused.ENABLED = kernel
+        state = optim.setup(rule, params)
+        s, m = step(state, optim.donatable(state, jax.tree.map(jnp.copy, params)), g)      # compile
+        live[name] = (s, m, kernel)
+    times: dict = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, (s, m, kernel) in live.items():
+            fused.ENABLED = kernel
+            jax.block_until_ready((s, m))
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                s, m = step(s, m, g)
+            jax.block_until_ready((s, m))
+            times[name].append((time.perf_counter() - t0) / inner)
+            live[name] = (s, m, kernel)
+    fused.ENABLED = True
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--models", default="demo LM,GPT-style")
+    p.add_argument("--maps", action="store_true", help="also train with other code maps (on the first model)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, one timing round")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "LOWMEM.md")
+    a = p.parse_args(argv)
+    models = ["quick"] if a.quick else a.models.split(",")
+    steps = 6 if a.quick else a.steps
+    ids, vocab = lm.load_text(lm.HERE / "data" / "shakespeare.txt")
+    vocab = len(vocab)
+    results: dict = {"steps": steps, "jax": jax.__version__, "models": {}}
+    for mi, model in enumerate(models):
+        cfg = MODELS[model]
+        rows = {}
+        for name, dtype, rule, override in configs(steps, a.maps and mi == 0 or a.quick):
+            old = dict(Q.MANTISSA)
+            Q.MANTISSA.update(override or {})
+            try:
+                r = train(cfg, steps, rule, dtype, ids, vocab)
+            finally:
+                Q.MANTISSA.clear()
+                Q.MANTISSA.update(old)
+            r["bytes_per_param"] = r["bytes"] / n_params(r["state"])
+            r.pop("state")
+            rows[name] = r
+            print(f"{model:10s} {name:40s} val {r['val']:.4f}  {r['bytes_per_param']:.2f} B/param  "
+                  f"{r['seconds']:.0f} s", flush=True)
+        times = step_times(cfg, ids, vocab, steps, 1 if a.quick else a.rounds, 1 if a.quick else 5)
+        results["models"][model] = dict(cfg=cfg, runs=rows, step_seconds=times)
+    write(results, a.out)
+
+
+def write(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    lines = ["# Low-memory optimiser state (`python -m bench.lowmem`)", "",
+             f"jax {results['jax']}, CPU (2 cores), {results['steps']} training steps per run, same batches; "
+             "held-out loss: mean over 8 fixed batches of the last tenth of the text.", ""]
+    for model, m in results["models"].items():
+        runs = m["runs"]
+        base = runs["AdamW float32"]["val"]
+        lines += [f"## {model} ({', '.join(f'{k} {v}' for k, v in m['cfg'].items())})", "",
+                  "| run | held-out loss | vs float32 AdamW | state bytes / parameter |", "|---|---:|---:|---:|"]
+        for name, r in runs.items():
+            lines.append(f"| {name} | {r['val']:.4f} | {100 * (r['val'] / base - 1):+.2f}% | "
+                         f"{r['bytes_per_param']:.2f} |")
+        t = m["step_seconds"]
+        ref = t["AdamW float32"]
+        lines += ["", "Optimiser step alone (donated jitted `optim.update`, median of interleaved rounds):", "",
+                  "| run | ms | vs float32 AdamW on XLA's path |", "|---|---:|---:|"]
+        lines += [f"| {k} | {1e3 * v:.2f} | {v / ref:.2f}x |" for k, v in t.items()]
+        lines.append("")
+    out.write_text("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(results["models"]), figsize=(6 * len(results["models"]), 4), squeeze=False)
+    for ax, (model, m) in zip(axes[0], results["models"].items()):
+        for name, r in m["runs"].items():
+            if " map " in name:
+                continue
+            c = np.asarray(r["curve"])
+            k = max(len(c) // 30, 1)
+            smooth = np.convolve(c, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(len(smooth)) + k, smooth, label=name, lw=1.2)
+        ax.set_title(model)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (running mean)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
