@@ -161,6 +161,10 @@ QUANTIZABLE = {
     "Momentum": lambda f: optim.Momentum(0.01, mu_dtype=f),
     "Muon": lambda f: optim.by_path({"w": optim.Muon(0.01, mu_dtype=f), "b": optim.Adam(0.01, mu_dtype=f)}),
     "Adafactor": lambda f: optim.Adafactor(0.01, momentum=0.9, mu_dtype=f),
+    "RMSProp": lambda f: optim.RMSProp(0.01, nu_dtype=f),
+    "RMSProp centred": lambda f: optim.RMSProp(0.01, centred=True, mu_dtype=f, nu_dtype=f),
+    "ADOPT": lambda f: optim.ADOPT(0.01, mu_dtype=f, nu_dtype=f),
+    "AdEMAMix": lambda f: optim.AdEMAMix(0.01, mu_dtype=f, nu_dtype=f),
 }
 
 
@@ -188,7 +192,7 @@ def test_every_rule_with_a_storage_dtype_takes_a_format_and_stays_near_float32(n
                    jax.tree.leaves(qs["b"].state, is_leaf=lambda a: isinstance(a, Q.QuantizedArray)))
     moved = np.linalg.norm(np.asarray(fm["w"] - model["w"]))
     diff = np.linalg.norm(np.asarray(qm["w"] - fm["w"]))
-    # measured: q8 1.5-3.1% of the move, q4 6-15%; Lion 7% / 17% (its sign flips where the moment is near 0)
+    # measured: q8 0.9-3.1% of the move, q4 5-15%; Lion 7% / 17% (its sign flips where the moment is near 0)
     assert 0 < diff <= (0.05 if fmt.bits == 8 else 0.2) * (2 if name == "Lion" else 1) * moved, (diff, moved)
     # each quantised moment of w saves its float32 bytes less its codes and scales, exactly
     n = model["w"].size
@@ -455,3 +459,21 @@ def test_zero1_sharded_quantized_state_steps_like_replicated(tmp_path):
     proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
 
+
+def test_rmsprop_adopt_ademamix_store_moments_in_their_storage_dtype():
+    """A bfloat16 storage dtype holds the moment it names on float32 parameters; the others keep theirs."""
+    x, g = jnp.ones((4, 8)), jnp.full((4, 8), 0.5)
+
+    def state_of(rule):
+        state, _ = optim.update(optim.setup(rule, {"w": x}), {"w": x}, {"w": g})
+        return state["w"].state
+
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    s = state_of(optim.RMSProp(0.01, centred=True, mu_dtype=jnp.bfloat16))
+    assert (s.lin.dtype, s.quad.dtype) == (bf16, f32)
+    s = state_of(optim.RMSProp(0.01, nu_dtype=jnp.bfloat16))
+    assert (s.quad.dtype, s.lin) == (bf16, None)
+    s = state_of(optim.ADOPT(0.01, mu_dtype=jnp.bfloat16))
+    assert (s.mu.dtype, s.nu.dtype) == (bf16, f32)
+    s = state_of(optim.AdEMAMix(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16))
+    assert (s.mu.dtype, s.mu_slow.dtype, s.nu.dtype) == (bf16, bf16, bf16)

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._core.export import register_for_export
+from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
+from .quantized import QuantizedArray
 from .schedules import Hyper
 from .protocol import Rule, abs2, eps_of, real_dtype, zeros_real, as_compute
 
@@ -30,7 +32,7 @@ class AdaDeltaState(NamedTuple):
     acc_step: Any        # running mean of |step|²
 
 
-class RMSProp(Rule):
+class RMSProp(StateDtypes, Rule):
     """RMSProp: `q ← ρ q + (1 - ρ)|g|²`, `step = η g / (√q + ε)`; `centred=True` also tracks `l ← ρ l + (1 - ρ) g`
     and uses `√(q - |l|²)`. ε is outside the square root and ρ defaults to 0.9.
 
@@ -39,9 +41,14 @@ class RMSProp(Rule):
         rho: decay ρ of the running averages, default 0.9, in [0, 1].
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         centred: subtract the squared running mean of `g` (Graves' centred form), default False (structural).
+        mu_dtype: storage dtype of the centred `l`, a real floating dtype such as `jnp.bfloat16` or a `Quantized`
+            format (`optim.q8`, `optim.q4`), default None (the parameter's dtype); structural; unused unless
+            centred. See `optim._rules.moments`.
+        nu_dtype: storage dtype of `q`, default None (the parameter's real dtype); structural.
 
-    State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (real dtype), and when centred `l`, the
-    running mean of `g` (else `None`); both start at 0.
+    State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (`nu_dtype`, default the real dtype), and
+    when centred `l`, the running mean of `g` (`mu_dtype`, default the parameter dtype; else `None`); both start
+    at 0. The step is computed from the new averages before they are rounded to their storage.
 
     Reference: T. Tieleman, G. Hinton, "Lecture 6.5 — RMSProp: divide the gradient by a running average of its
     recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012,
@@ -64,24 +71,32 @@ class RMSProp(Rule):
     rho: Hyper = 0.9
     eps: Hyper = 1e-8
     centred: bool = False
-    _static = ("centred",)
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("centred", "mu_dtype", "nu_dtype")     # new fields last: old files' treedefs still read
     _flags = ("centred",)
     _nonneg = ("lr", "eps")
     _decay = ("rho",)
 
     def init(self, x):
-        return RMSPropState(zeros_real(x), jnp.zeros_like(x) if self.centred else None)
+        return RMSPropState(nu_zeros(self, x), mu_zeros(self, x) if self.centred else None)
 
     def apply(self, state, x, dx, *dxs):
-        q, l = state
+        q0, l0 = state
+        (q,) = load(x, q0)
         rho = as_compute(self.rho, x)
         q = rho * q + (1 - rho) * abs2(dx)
+        q_eff, l = q, None
         if self.centred:
+            (l,) = load(x, l0)
             l = rho * l + (1 - rho) * dx
             q_eff = q - abs2(l)
-        else:
-            q_eff = q
-        return RMSPropState(q, l), dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + eps_of(self.eps, x))
+            if isinstance(q0, QuantizedArray) or isinstance(l0, QuantizedArray):
+                # each moment rounded on its own can make q < |l|² (a NaN root); unrounded they cannot
+                q_eff = jnp.maximum(q_eff, 0)
+            (l,) = store((l,), (l0,))
+        step = dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + eps_of(self.eps, x))
+        return RMSPropState(*store((q,), (q0,)), l), step
 
 
 class AdaGrad(Rule):

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._core.export import register_for_export
-from .moments import bt_init, bt_next, debias, moments
-from .protocol import Rule, as_compute, eps_of, zeros_real
+from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
+from .protocol import Rule, as_compute, eps_of
 from .schedules import Hyper
 
 __all__ = ["AdEMAMix"]
@@ -26,7 +26,7 @@ class AdEMAMixState(NamedTuple):
     bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
 
 
-class AdEMAMix(Rule):
+class AdEMAMix(StateDtypes, Rule):
     """AdEMAMix: `m₁ ← β₁ m₁ + (1 - β₁) g`, `m₂ ← β₃ m₂ + (1 - β₃) g`, `v ← β₂ v + (1 - β₂)|g|²`, then
     `step = η ((m̂₁ + α m₂) / (√v̂ + ε) + λ x)` with `m̂₁ = m₁ / (1 - bt₁)` and `v̂ = v / (1 - bt₂)`. The slow
     moment `m₂` is not bias-corrected (it fills slowly, as the paper intends). The decay `λ x` is decoupled and
@@ -46,18 +46,24 @@ class AdEMAMix(Rule):
         alpha: α, the weight of the slow moment, default 5.0, >= 0.
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         weight_decay: λ, decoupled, multiplied by η, default 0.0, >= 0.
+        mu_dtype: storage dtype of both first moments `m₁` and `m₂`, a real floating dtype such as
+            `jnp.bfloat16` or a `Quantized` format (`optim.q8`, `optim.q4`), default None (the parameter's dtype);
+            structural. See `optim._rules.moments`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `AdEMAMixState(mu, mu_slow, nu, bt)`: the fast and slow first moments (parameter dtype), the second
-    moment (real dtype), all starting at 0, and the products (β₁ᵗ, β₂ᵗ) of the decay rates of the steps taken
-    (1 at the start) as one array of 2.
+    State: `AdEMAMixState(mu, mu_slow, nu, bt)`: the fast and slow first moments (`mu_dtype`, default the
+    parameter dtype), the second moment (`nu_dtype`, default the real dtype), all starting at 0, and the products
+    (β₁ᵗ, β₂ᵗ) of the decay rates of the steps taken (1 at the start) as one array of 2. The step is computed
+    from the new moments before they are rounded to their storage.
 
     Reference: M. Pagliardini, P. Ablin, D. Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024,
     https://arxiv.org/abs/2409.03050
 
     optax: equals `optax.contrib.ademamix(η, b1, b2, b3, alpha, eps, weight_decay=λ)` (the same defaults; in
     float64 to 1e-12 over 100 steps, also with α and β₃ schedules), with its `eps_root` at 0 and no `mask` (give
-    parameters without decay another rule with `optim.by_path`). optax's `mu_dtype` is not here; optax stores
-    `v` in `mu_dtype` too, here it has the parameter's real dtype.
+    parameters without decay another rule with `optim.by_path`). optax's `mu_dtype` stores `m₁`, `m₂` and `v`;
+    here `mu_dtype` stores `m₁` and `m₂` and `nu_dtype` stores `v` (optax's `mu_dtype=d` is `mu_dtype=d,
+    nu_dtype=d`, with `Adam`'s note on where `β m` is rounded).
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
@@ -78,20 +84,22 @@ class AdEMAMix(Rule):
     alpha: Hyper = 5.0
     eps: Hyper = 1e-8
     weight_decay: Hyper = 0.0
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("mu_dtype", "nu_dtype")
     _nonneg = ("lr", "alpha", "eps", "weight_decay")
     _unit = ("beta", "beta3")
 
     def init(self, x):
-        return AdEMAMixState(jnp.zeros_like(x), jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x))
+        return AdEMAMixState(mu_zeros(self, x), mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
 
     def apply(self, state, x, dx, *dxs):
-        m1, m2, v, bt = state
-        bt = bt_next(bt, self.beta, x)
+        m1, m2, v = load(x, *state[:3])
+        bt = bt_next(state[3], self.beta, x)
         b3, alpha = as_compute(self.beta3, x), as_compute(self.alpha, x)
         new_m1, new_v = moments(self.beta, m1, v, dx, x)
         new_m2 = b3 * m2 + (1 - b3) * dx
         c1, c2 = debias(bt)
         a = (new_m1 * c1 + alpha * new_m2) / (jnp.sqrt(new_v * c2) + eps_of(self.eps, x))
         step = as_compute(self.lr, x) * (a + as_compute(self.weight_decay, x) * x)
-        return AdEMAMixState(new_m1.astype(m1.dtype), new_m2.astype(m2.dtype), new_v.astype(v.dtype),
-                             bt), step
+        return AdEMAMixState(*store((new_m1, new_m2, new_v), state[:3]), bt), step

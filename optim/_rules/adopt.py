@@ -10,7 +10,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._core.export import register_for_export
-from .protocol import Rule, abs2, as_compute, eps_of, pair_of, where, zeros_real
+from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
+from .protocol import Rule, abs2, as_compute, eps_of, pair_of, where
+from .quantized import QuantizedArray
 from .schedules import Hyper
 
 __all__ = ["ADOPT"]
@@ -30,7 +32,7 @@ def clip_bound(t, dtype):
     return t.astype(dtype) ** 0.25
 
 
-class ADOPT(Rule):
+class ADOPT(StateDtypes, Rule):
     """ADOPT: the first step only sets `v ← |g|²` (no step); every later step `t = 1, 2, ...` normalises the
     gradient by the previous second moment, `u = clip(g / max(√v, ε), -t^¼, t^¼)`, then `m ← β₁ m + (1 - β₁) u`,
     `v ← β₂ v + (1 - β₂)|g|²` and `step = η m` (with Nesterov, `step = η (β₁ m + (1 - β₁) u)` with the new `m`).
@@ -43,9 +45,14 @@ class ADOPT(Rule):
         eps: ε, default 1e-6, >= 0 (at least 1e-7 for 16-bit parameters): the least `√v` divides by.
         nesterov: the Nesterov step, default False; structural.
         use_clipping: clip `u` to `[-t^¼, t^¼]`, default True (the paper's stabilisation); structural.
+        mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16` or a `Quantized` format
+            (`optim.q8`, `optim.q4`), default None (the parameter's dtype); structural. See
+            `optim._rules.moments`.
+        nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
-    State: `ADOPTState(mu, nu, t)`: first moment (parameter dtype), second moment (real dtype), both starting
-    at 0, and the number `t` of steps taken (int32, starting at 0).
+    State: `ADOPTState(mu, nu, t)`: first moment (`mu_dtype`, default the parameter dtype), second moment
+    (`nu_dtype`, default the real dtype), both starting at 0, and the number `t` of steps taken (int32, starting
+    at 0). The step is computed from the new `m` before it is rounded to its storage.
 
     Reference: S. Taniguchi, K. Harada, G. Minegishi, Y. Oshima, S. C. Jeong, G. Nagahara, T. Iiyama,
     M. Suzuki, Y. Iwasawa, Y. Matsuo, "ADOPT: Modified Adam Can Converge with Any β₂ with the Optimal Rate",
@@ -72,7 +79,9 @@ class ADOPT(Rule):
     eps: Hyper = 1e-6
     nesterov: bool = False
     use_clipping: bool = True
-    _static = ("nesterov", "use_clipping")
+    mu_dtype: Any = None
+    nu_dtype: Any = None
+    _static = ("nesterov", "use_clipping", "mu_dtype", "nu_dtype")   # new fields last: old files still read
     _flags = ("nesterov", "use_clipping")
     _nonneg = ("lr", "eps")
     _unit = ("beta",)
@@ -80,12 +89,17 @@ class ADOPT(Rule):
     def init(self, x):
         if jnp.iscomplexobj(x):
             raise TypeError("ADOPT needs real parameters (it clips the normalised gradient)")
-        return ADOPTState(jnp.zeros_like(x), zeros_real(x), jnp.zeros((), jnp.int32))
+        return ADOPTState(mu_zeros(self, x), nu_zeros(self, x), jnp.zeros((), jnp.int32))
 
     def apply(self, state, x, dx, *dxs):
-        m, v, t = state
+        m, v = load(x, *state[:2])
+        t = state[2]
         b1, b2 = pair_of(self.beta, x)
-        u = dx / jnp.maximum(jnp.sqrt(v), eps_of(self.eps, x))
+        # √v of the stored v in its own dtype, as before storage options: XLA rounds a float16 v's root to float16
+        # (the root of the float32 `load` changed float16 parameters' steps in the last bits); a quantised v's
+        # root is of its float32 values
+        root = jnp.sqrt(v if isinstance(state[1], QuantizedArray) else state[1])
+        u = dx / jnp.maximum(root, eps_of(self.eps, x))
         if self.use_clipping:
             c = clip_bound(t, b1.dtype)
             u = jnp.clip(u, -c, c)
@@ -96,4 +110,4 @@ class ADOPT(Rule):
         new_v = where(first, abs2(dx), b2 * v + (1 - b2) * abs2(dx))
         new_m = where(first, m, new_m)
         step = where(first, m, ahead) * as_compute(self.lr, x)
-        return ADOPTState(new_m.astype(m.dtype), new_v.astype(v.dtype), t + 1), step
+        return ADOPTState(*store((new_m, new_v), state[:2]), t + 1), step
