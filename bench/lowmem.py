@@ -11,13 +11,15 @@ float32 master copy) and plain bfloat16 updates. Reported: the held-out loss at 
 batches), the optimiser state's bytes per parameter (`optim.state_bytes`), and the optimiser step's time on
 the model's real gradients relative to float32 AdamW's, on XLA's path (`OPTIM_FUSED` off) and against the
 fused CPU kernel (interleaved rounds, median). `--maps` also trains with other code maps (mantissa bits) for
-the 4-bit and 8-bit formats: the measurement behind `optim._rules.quantized.MANTISSA`.
+the 4-bit and 8-bit formats, each in a process of its own: the measurement behind
+`optim._rules.quantized.MANTISSA`; `--maps-only` adds them to an existing `.json` and rewrites the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,6 @@ import numpy as np
 
 import optim
 from optim._engine import fused
-from optim._rules import quantized as Q
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -46,23 +47,40 @@ def adamw(steps: int, mu=None, nu=None) -> optim.Rule:
     return optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(sched, weight_decay=0.1, mu_dtype=mu, nu_dtype=nu))
 
 
-def configs(steps: int, maps: bool) -> list[tuple[str, str, object, dict | None]]:
-    """(name, parameter dtype, rule, code-map override) per run."""
-    out = [("AdamW float32", "float32", adamw(steps), None),
-           ("AdamW bfloat16 m, v", "float32", adamw(steps, jnp.bfloat16, jnp.bfloat16), None),
-           ("AdamW q8", "float32", adamw(steps, optim.q8, optim.q8), None),
-           ("AdamW q4", "float32", adamw(steps, optim.q4, optim.q4), None),
-           ("bf16 params, float32 master copy", "bfloat16", optim.MixedPrecision(jnp.float32, adamw(steps)), None),
-           ("bf16 params, plain", "bfloat16", adamw(steps), None)]
+def configs(steps: int) -> list[tuple[str, str, object]]:
+    """(name, parameter dtype, rule) per run."""
+    out = [("AdamW float32", "float32", adamw(steps)),
+           ("AdamW bfloat16 m, v", "float32", adamw(steps, jnp.bfloat16, jnp.bfloat16)),
+           ("AdamW q8", "float32", adamw(steps, optim.q8, optim.q8)),
+           ("AdamW q4", "float32", adamw(steps, optim.q4, optim.q4)),
+           ("bf16 params, float32 master copy", "bfloat16", optim.MixedPrecision(jnp.float32, adamw(steps))),
+           ("bf16 params, plain", "bfloat16", adamw(steps))]
     if hasattr(optim, "StochasticRounding"):
-        out.append(("bf16 params, StochasticRounding", "bfloat16", optim.StochasticRounding(adamw(steps)), None))
-    if maps:
-        for key, m in [((4, True), 0), ((4, False), 0), ((4, False), 2), ((8, True), 2), ((8, False), 4)]:
-            if Q.MANTISSA[key] != m:
-                fmt = optim.q4 if key[0] == 4 else optim.q8
-                out.append((f"AdamW q{key[0]}, {'m' if key[1] else 'v'} map M={m}", "float32",
-                            adamw(steps, fmt, fmt), {key: m}))
+        out.append(("bf16 params, StochasticRounding", "bfloat16", optim.StochasticRounding(adamw(steps))))
     return out
+
+
+# Other code maps (bits, signed, mantissa bits), each trained in a process of its own: the map is read when a
+# step is traced, and optim keeps traced programs by the rule's structure, which the map is not part of.
+MAP_VARIANTS = [(4, False, 0), (4, False, 2), (4, True, 0), (8, False, 4), (8, True, 2)]
+
+
+def map_run(model: str, steps: int, bits: int, signed: bool, mantissa: int) -> dict:
+    """`AdamW q<bits>` on `model` with the signed or unsigned map's mantissa bits set to `mantissa`, in a new
+    process."""
+    code = (f"import json, sys; from bench import lowmem as L; from optim._rules import quantized as Q; "
+            f"Q.MANTISSA[({bits}, {signed})] = {mantissa}; "
+            f"r = L.run_one({model!r}, {steps}, 'AdamW q{bits}'); print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_one(model: str, steps: int, name: str) -> dict:
+    ids, vocab = lm.load_text(lm.HERE / "data" / "shakespeare.txt")
+    rule, dtype = {n: (r, d) for n, d, r in configs(steps)}[name]
+    r = train(MODELS[model], steps, rule, dtype, ids, len(vocab))
+    r["bytes_per_param"] = r["bytes"] / n_params(r.pop("state"))
+    return r
 
 
 def train(cfg: dict, steps: int, rule, dtype: str, ids, vocab: int, seed: int = 0) -> dict:
@@ -134,33 +152,40 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--models", default="demo LM,GPT-style")
     p.add_argument("--maps", action="store_true", help="also train with other code maps (on the first model)")
+    p.add_argument("--maps-only", action="store_true", help="only the code maps, into the .json's 'maps'")
     p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, one timing round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "LOWMEM.md")
     a = p.parse_args(argv)
     models = ["quick"] if a.quick else a.models.split(",")
     steps = 6 if a.quick else a.steps
-    ids, vocab = lm.load_text(lm.HERE / "data" / "shakespeare.txt")
-    vocab = len(vocab)
     results: dict = {"steps": steps, "jax": jax.__version__, "models": {}}
-    for mi, model in enumerate(models):
-        cfg = MODELS[model]
-        rows = {}
-        for name, dtype, rule, override in configs(steps, a.maps and mi == 0 or a.quick):
-            old = dict(Q.MANTISSA)
-            Q.MANTISSA.update(override or {})
-            try:
-                r = train(cfg, steps, rule, dtype, ids, vocab)
-            finally:
-                Q.MANTISSA.clear()
-                Q.MANTISSA.update(old)
-            r["bytes_per_param"] = r["bytes"] / n_params(r["state"])
-            r.pop("state")
-            rows[name] = r
-            print(f"{model:10s} {name:40s} val {r['val']:.4f}  {r['bytes_per_param']:.2f} B/param  "
-                  f"{r['seconds']:.0f} s", flush=True)
-        times = step_times(cfg, ids, vocab, steps, 1 if a.quick else a.rounds, 1 if a.quick else 5)
-        results["models"][model] = dict(cfg=cfg, runs=rows, step_seconds=times)
+    if not a.maps_only:
+        ids, vocab = lm.load_text(lm.HERE / "data" / "shakespeare.txt")
+        for model in models:
+            cfg = MODELS[model]
+            rows = {}
+            for name, dtype, rule in configs(steps):
+                r = train(cfg, steps, rule, dtype, ids, len(vocab))
+                r["bytes_per_param"] = r["bytes"] / n_params(r.pop("state"))
+                rows[name] = r
+                print(f"{model:10s} {name:40s} val {r['val']:.4f}  {r['bytes_per_param']:.2f} B/param  "
+                      f"{r['seconds']:.0f} s", flush=True)
+            times = step_times(cfg, ids, len(vocab), steps, 1 if a.quick else a.rounds, 1 if a.quick else 5)
+            results["models"][model] = dict(cfg=cfg, runs=rows, step_seconds=times)
+    else:
+        results = json.loads(a.out.with_suffix(".json").read_text())
+        for m in results["models"].values():      # runs of other maps made in one process before: not kept
+            m["runs"] = {k: v for k, v in m["runs"].items() if " map " not in k}
+    if a.maps or a.maps_only or a.quick:
+        model = models[0]
+        variants = MAP_VARIANTS[:1] if a.quick else MAP_VARIANTS
+        results["maps"] = {"model": model, "runs": {}}
+        for bits, signed, m in variants:
+            r = map_run(model, steps, bits, signed, m)
+            key = f"q{bits}, {'signed (m)' if signed else 'unsigned (v)'} map with {m} mantissa bits"
+            results["maps"]["runs"][key] = r
+            print(f"{model:10s} {key:40s} val {r['val']:.4f}", flush=True)
     write(results, a.out)
 
 
@@ -184,6 +209,17 @@ def write(results: dict, out: Path) -> None:
                   "| run | ms | vs float32 AdamW on XLA's path |", "|---|---:|---:|"]
         lines += [f"| {k} | {1e3 * v:.2f} | {v / ref:.2f}x |" for k, v in t.items()]
         lines.append("")
+    if results.get("maps"):
+        mp = results["maps"]
+        base = results["models"][mp["model"]]["runs"]
+        lines += [f"## Code maps ({mp['model']}, AdamW)", "",
+                  "Mantissa bits of the log-linear maps (`optim._rules.quantized.MANTISSA`: 3 for both 8-bit maps, "
+                  "1 for both 4-bit maps), one map changed at a time:", "",
+                  "| map | held-out loss | vs the same format's default maps |", "|---|---:|---:|"]
+        for name, r in mp["runs"].items():
+            ref = base["AdamW q" + name[1]]["val"]
+            lines.append(f"| {name} | {r['val']:.4f} | {100 * (r['val'] / ref - 1):+.2f}% |")
+        lines.append("")
     out.write_text("\n".join(lines))
     try:
         import matplotlib
@@ -194,8 +230,6 @@ def write(results: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, len(results["models"]), figsize=(6 * len(results["models"]), 4), squeeze=False)
     for ax, (model, m) in zip(axes[0], results["models"].items()):
         for name, r in m["runs"].items():
-            if " map " in name:
-                continue
             c = np.asarray(r["curve"])
             k = max(len(c) // 30, 1)
             smooth = np.convolve(c, np.ones(k) / k, mode="valid")

@@ -74,3 +74,39 @@ def test_the_rounding_of_a_bfloat16_parameter_survives_xla_gpu():
     args = [K.abstract(a, where) for a in (state, params, params)]
     text = jax.jit(lambda s, m, g: optim.update(s, m, g, return_stats=True)).lower(*args).compile().as_text()
     assert "reduce-precision(" in text and "exponent_bits=8, mantissa_bits=7" in text
+
+
+# Quantised moments (optim.q8 / optim.q4 as AdamW's mu_dtype and nu_dtype): bounds on kernels and on whole-array
+# copies. The copies are of the moments' uint8 codes (1 byte a number, read by the fusion that finds a block's
+# scale and again by the one that writes the new codes into their donated buffer), never of a parameter.
+QUANTIZED = {
+    "q8": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q8, nu_dtype=optim.q8), (28, 6), (130, 32)),
+    "q4": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q4, nu_dtype=optim.q4), (23, 4), (146, 32)),
+}
+
+
+@pytest.mark.parametrize("size", ["100x400x400", "1000x128x128"])
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_grouped_quantized_step_kernels(name, size):
+    make, bound_100, bound_1000 = QUANTIZED[name]
+    n, shape = K.SIZES[size]
+    kernels, copies = bound_100 if n == 100 else bound_1000
+    params = {f"w{i:04d}": jnp.zeros(shape) for i in range(n)}
+    state = optim.setup(make(), params)
+    where = K.sharding()
+    args = [K.abstract(a, where) for a in (state, params, params)]
+    text = jax.jit(K.optim_step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    got = K.entry_kernels(text)
+    copied = []       # (dtype, elements) of each copy of at least one parameter's size
+    for line in text[text.index("\nENTRY"):].splitlines():
+        m = K._INSTR.match(line)
+        if m and K._split(m.group(1))[1] == "copy":
+            shape_text = K._split(m.group(1))[0]
+            if (K._elements(shape_text) or 0) >= n_elems(shape):
+                copied.append(shape_text.split("[")[0])
+    assert set(copied) <= {"u8"}, copied
+    assert got["kernels"] <= kernels and len(copied) <= copies, (got, copied)
+
+
+def n_elems(shape: tuple) -> int:
+    return shape[0] * shape[1]
