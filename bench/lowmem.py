@@ -156,6 +156,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, one timing round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "LOWMEM.md")
+    p.add_argument("--figure", type=Path, default=ROOT / "docs" / "images" / "lowmem-loss.png",
+                   help="the loss curves' figure for the docs (not written with --quick)")
     a = p.parse_args(argv)
     models = ["quick"] if a.quick else a.models.split(",")
     steps = 6 if a.quick else a.steps
@@ -186,10 +188,10 @@ def main(argv=None) -> None:
             key = f"q{bits}, {'signed (m)' if signed else 'unsigned (v)'} map with {m} mantissa bits"
             results["maps"]["runs"][key] = r
             print(f"{model:10s} {key:40s} val {r['val']:.4f}", flush=True)
-    write(results, a.out)
+    write(results, a.out, None if a.quick else a.figure)
 
 
-def write(results: dict, out: Path) -> None:
+def write(results: dict, out: Path, figure: Path | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     lines = ["# Low-memory optimiser state (`python -m bench.lowmem`)", "",
@@ -240,6 +242,9 @@ def write(results: dict, out: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
+    if figure is not None:
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(figure, dpi=110)
 
 
 if __name__ == "__main__":
