@@ -18,9 +18,10 @@ shifts it back: no table, no search, a few integer operations a number.
 - Second moments (unsigned, `nu`: averages of `|g|²`): `bits` magnitude bits, all log-linear, and no code for 0:
   a number below the smallest code is stored as the smallest code. The step divides by `√v`, so a `v` rounded to
   0 would make a step of `m / ε`; rounded up, it makes a smaller step (Li et al. 2023's "zero-point problem").
-- `M` per format (`MANTISSA`), measured in `bench/lowmem.py`: 8 bits, 3 mantissa bits, both moments (about 16
-  binades signed, 32 unsigned; a number is within 6% of its value); 4 bits, 1 mantissa bit (3.5 binades signed,
-  from 1/8 of the block's largest; 8 binades unsigned, from 1/256).
+- `M` per format (`MANTISSA`), measured in `bench/lowmem.py`: 8 bits, 3 mantissa bits, both moments (the
+  smallest code, relative to the block's largest number: signed 1.25·2⁻¹⁶ ≈ 1.9e-5, unsigned 1.125·2⁻³²
+  ≈ 2.6e-10; a number in range is stored within 6.25% of its value); 4 bits, 1 mantissa bit (signed 1/8,
+  unsigned 1.5·2⁻⁸ ≈ 1/171).
 
 Parameters with fewer than `Quantized.min_size` (4096) numbers keep their moments unquantised, in the dtype the
 rule's default gives them (biases, norms' gains: a few per cent of a model's numbers, where a block's scale
