@@ -477,3 +477,23 @@ def test_rmsprop_adopt_ademamix_store_moments_in_their_storage_dtype():
     assert (s.mu.dtype, s.nu.dtype) == (bf16, f32)
     s = state_of(optim.AdEMAMix(0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16))
     assert (s.mu.dtype, s.mu_slow.dtype, s.nu.dtype) == (bf16, bf16, bf16)
+
+
+def test_stochastic_rounding_of_bfloat16_parameters_with_quantized_moments():
+    """The two low-memory options together: bfloat16 parameters, no master copy, 8-bit and 4-bit moments
+    (2 + 1.6 bytes per parameter). Same seed, same bits; the moments are quantised from the float32 view."""
+    rule = optim.StochasticRounding(optim.AdamW(1e-3, weight_decay=0.1, mu_dtype=optim.q8, nu_dtype=optim.q4))
+    model = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 128)), jnp.bfloat16)}
+
+    def run():
+        state, m = optim.setup(rule, model), model
+        for i in range(3):
+            state, m = optim.update(state, m, grads_at(i, model))
+        return state, m
+
+    (s1, m1), (s2, m2) = run(), run()
+    assert m1["w"].dtype == jnp.bfloat16 and bits_of((s1, m1)) == bits_of((s2, m2))
+    mu = s1["w"].state.inner.mu
+    assert isinstance(mu, Q.QuantizedArray) and mu.fmt == optim.q8
+    assert optim.state_bytes(s1) < model["w"].size * 1.6
+    assert not (np.asarray(m1["w"]) == np.asarray(model["w"])).all()
