@@ -80,8 +80,8 @@ def test_the_rounding_of_a_bfloat16_parameter_survives_xla_gpu():
 # copies. The copies are of the moments' uint8 codes (1 byte a number, read by the fusion that finds a block's
 # scale and again by the one that writes the new codes into their donated buffer), never of a parameter.
 QUANTIZED = {
-    "q8": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q8, nu_dtype=optim.q8), (28, 6), (130, 32)),
-    "q4": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q4, nu_dtype=optim.q4), (23, 4), (146, 32)),
+    "q8": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q8, nu_dtype=optim.q8), (29, 2), (130, 0)),
+    "q4": (lambda: optim.AdamW(1e-3, **ADAMW, mu_dtype=optim.q4, nu_dtype=optim.q4), (24, 0), (146, 0)),
 }
 
 
