@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -161,12 +162,33 @@ class Wheel(bdist_wheel):
         return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
 
 
+def _manylinux() -> tuple[list[str], list[tuple[str, str | None]], list[str]]:
+    """`(sources, macros, link flags)` that keep the kernel within manylinux_2_28 (GLIBC_2.28, GLIBCXX_3.4.24),
+    the platform of jaxlib's wheels, when it is built on a newer glibc and GCC (`auditwheel show` in
+    tests/test_packaging.py checks it). libstdc++ is linked in statically: the system's libstdc++.so would need
+    the toolchain's GLIBCXX version. libgcc stays shared: its static unwinder calls _dl_find_object (GLIBC_2.35).
+    build_support/manylinux.cc stands in for the two newer glibc symbols libstdc++.a refers to, and the version
+    script exports the kernel's entry points alone. Elsewhere (macOS, musl): nothing."""
+    libc, version = platform.libc_ver()
+    if not sys.platform.startswith("linux") or libc != "glibc":
+        return [], [], []
+    macros, link = [], ["-static-libstdc++", "-Wl,--version-script=build_support/kernel.map"]
+    glibc = tuple(int(v) for v in re.findall(r"\d+", version)[:2])
+    if glibc >= (2, 34) and platform.machine() in ("x86_64", "aarch64"):
+        macros, link = [("OPTIM_WRAP_PTHREAD_ONCE", None)], link + ["-Wl,--wrap=pthread_once"]
+    return ["build_support/manylinux.cc"], macros, link
+
+
+_COMPAT_SOURCES, _COMPAT_MACROS, _COMPAT_LINK = _manylinux()
+
 fused = Extension(
     KERNEL,
     # The handlers with the element loops for the baseline x86-64, and the loops for AVX2 and for AVX-512 (the
     # build that runs is chosen at load), compiled at once (`_compile_at_once`).
-    sources=["optim/_engine/fused.cc", "optim/_engine/fused_avx2.cc", "optim/_engine/fused_avx512.cc"],
-    depends=["optim/_engine/fused.h", "optim/_engine/fused_loops.inc"],
+    sources=["optim/_engine/fused.cc", "optim/_engine/fused_avx2.cc", "optim/_engine/fused_avx512.cc",
+             *_COMPAT_SOURCES],
+    depends=["optim/_engine/fused.h", "optim/_engine/fused_loops.inc", "build_support/kernel.map"],
+    define_macros=_COMPAT_MACROS,
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the
     # handler symbol is exported. -ffp-contract=off: no multiply-add contracted where AVX-512 has FMA, so every
@@ -174,9 +196,8 @@ fused = Extension(
     extra_compile_args=["-std=c++17", "-O3", "-fno-math-errno", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
                         "-ffunction-sections", "-fdata-sections", "-ffp-contract=off", "-w"],
     # -s: no debug information or symbol table (Python's flags compile with -g: 3.3 MB, stripped 0.5 MB);
-    # --gc-sections: unused functions dropped. libstdc++ stays a shared library (linked statically it needs a newer
-    # glibc: its unwinder uses _dl_find_object, glibc 2.35).
-    extra_link_args=["-s", "-Wl,--gc-sections"],
+    # --gc-sections: unused functions dropped. On Linux, libstdc++ linked in (`_manylinux`).
+    extra_link_args=["-s", "-Wl,--gc-sections", *_COMPAT_LINK],
     optional=True,
 )
 

@@ -61,7 +61,8 @@ def load(folder: str = os.path.dirname(__file__)) -> tuple[bool, str]:
     path = os.path.join(folder, _KERNEL)
     if not os.path.exists(path):
         stale = glob.glob(os.path.join(folder, "_fused_kernel.*.so"))
-        return False, ("optim's fused CPU kernel was not built at install (no C++ compiler?)" if not stale else
+        return False, ("optim's fused CPU kernel was not built at install (no C++ compiler, or "
+                       "OPTIM_BUILD_FUSED=0)" if not stale else
                        f"optim's fused CPU kernel was installed by an older optim ({stale[0]}): reinstall optim")
     try:
         with open(os.path.join(folder, _RECORD)) as f:
