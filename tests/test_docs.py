@@ -21,14 +21,21 @@ No line of a code block (any language) is wider than the code column of the buil
 characters, the width measured at a 1280 px browser window (tests/README.md says how), so nothing is cut off at the
 right of the column. Output blocks are exempt: they show what was printed, exactly, and the site wraps their long
 lines (`docs/stylesheets/extra.css`).
+
+The built site (build/site after `make test`'s `mkdocs build`, else built here) shows no bookkeeping on a user
+page: no commit a result measured, measured-at stamp, machine load, test-file name or bare issue number
+(`BOOKKEEPING`); those stay in bench/*.md and CHANGELOG.md, and docs/_ext/hooks.py scrubs what it includes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -156,3 +163,82 @@ def test_benchmarks_page_includes_the_results_file():
     assert "## Summary" in shown and "Machine:" in shown
     for internal in ("Issue 5", "issue 14", "NOTES.md", "RULES.md", "PROGRAM.md", "(optim "):
         assert internal not in shown, internal
+    assert bookkeeping(shown) == []
+    # docs/guides/choosing.md's `--8<-- "bench/CHOOSING.md:results"`: included by the hook, scrubbed too.
+    choosing = hooks.BENCH_INCLUDE.sub(hooks.bench_include, (DOCS / "guides" / "choosing.md").read_text())
+    assert "--8<--" not in choosing and "| AdamW |" in choosing and "Machine:" in choosing
+    assert bookkeeping(choosing) == []
+
+
+# ------------------------------------------------------------------------------------------ the built site
+# A user page says what was measured, on what, and the numbers: the repository's bookkeeping (the commit a result
+# measured, when and on how loaded a machine, which test file checks a claim, the project's issue numbers) stays in
+# bench/*.md and CHANGELOG.md. docs/_ext/hooks.py scrubs what it includes from bench/; this reads the built site.
+SITE = ROOT / "build" / "site"   # where `make test` builds it (mkdocs build --strict --site-dir build/site)
+SITE_SOURCES = ("docs", "optim", "bench", "mkdocs.yml", "CHANGELOG.md", "examples")
+SITE_SUFFIXES = {".md", ".py", ".yml", ".css", ".png", ".svg", ".js"}
+NOT_USER_PAGES = {"changelog/index.html", "404.html"}   # the changelog keeps its commits and issue numbers
+_HASH = r"(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
+BOOKKEEPING = {
+    "a commit": re.compile(rf"\bcommit(?:ted)?\b\W+(?:\w+\W+){{0,2}}?{_HASH}|\b{_HASH}\W+commit|\boptim {_HASH}"
+                           r"|uncommitted changes|\+dirty\b", re.I),
+    "a test file": re.compile(r"\btests/test_\w+|\btest_\w+\.py\b"),
+    "an issue number": re.compile(r"\(#\d+\)|\bissue #?\d+\b", re.I),
+    "the machine's load": re.compile(r"load average|machine was busy|busy machine|shared with other work"
+                                     r"|other jobs on the machine", re.I),
+    "a run history": re.compile(r"\blatest run\b|\bthe one before\b|\bchanges often\b", re.I),
+    "a measured-at stamp": re.compile(r"\b\d{4}-[01]\d-[0-3]\d\b|\b\d\d:\d\d UTC\b"),
+}
+
+
+def bookkeeping(text: str) -> list[str]:
+    """What kind of bookkeeping the text holds, each hit with some words around it (whitespace collapsed)."""
+    text = re.sub(r"\s+", " ", text)
+    return [f"{kind}: ...{text[max(0, m.start() - 50) : m.end() + 30]}..."
+            for kind, pattern in BOOKKEEPING.items() for m in pattern.finditer(text)]
+
+
+def html_text(page: str) -> str:
+    """The text a reader sees on a built page (code included), without scripts, styles and tags."""
+    import html
+
+    page = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S | re.I)
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> pathlib.Path:
+    """The built docs site: build/site when it is newer than everything it is built from (after `make test`'s
+    `mkdocs build`), else built here into a temporary folder."""
+    index = SITE / "index.html"
+    sources = [p for s in SITE_SOURCES for p in [ROOT / s, *(ROOT / s).rglob("*")]
+               if p.suffix in SITE_SUFFIXES and "__pycache__" not in p.parts]
+    newest = max(p.stat().st_mtime for p in sources)
+    if index.exists() and index.stat().st_mtime > newest:
+        return SITE
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    site = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stderr[-4000:]}"
+    return site
+
+
+def test_the_bookkeeping_check_finds_what_it_should():
+    for planted in ("optim 0.1.0 at commit 568a8c1 with uncommitted changes", "(optim 609b3bf)",
+                    "checked by tests/test_fused.py", "in that form (#211)", "measured 2026-12-03 19:13 UTC",
+                    "load average 1.5 -> 1.8", "the first figure is the latest run, the second the one before",
+                    "each section names the optim\ncommit it measured; the repository changes often"):
+        assert bookkeeping(planted), planted
+    for fine in ("(Optimisers.jl #211)", "an uncommitted scalar on the default device", "`optim.save` commits",
+                 "1.0 is as fast as optax", "the test suite checks it", "(4096, 4096) float32, 15 rounds"):
+        assert not bookkeeping(fine), (fine, bookkeeping(fine))
+
+
+def test_no_bookkeeping_on_user_pages(built_site):
+    pages = sorted(built_site.rglob("*.html"))
+    assert len(pages) > 20, f"{built_site} holds {len(pages)} pages: is it the built site?"
+    found = [f"{p.relative_to(built_site)}: {hit}" for p in pages
+             if str(p.relative_to(built_site)) not in NOT_USER_PAGES for hit in bookkeeping(html_text(p.read_text()))]
+    assert found == [], "bookkeeping on user pages (keep it in bench/*.md and CHANGELOG.md):\n" + "\n".join(found)

@@ -2,7 +2,9 @@
 
 - The header shows optim's version: `site_name` becomes "optim 0.1.0", read from `optim/__init__.py` (the one place
   the version is written) without importing the package.
-- The benchmarks page shows the measured sections of bench/RESULTS.md (`bench_results`).
+- The benchmarks page shows the measured sections of bench/RESULTS.md (`bench_results`), and a page's snippet line
+  `--8<-- "bench/NAME.md:section"` is included here, not by the snippets extension: both pass through `scrub`, which
+  drops the maintainers' bookkeeping (commits, measured-at stamps, machine load) that bench/*.md keep.
 - The changelog page includes CHANGELOG.md, its links to `docs/...` made relative to the docs folder.
 - Maths is MathML written in the pages (`<math>`), which browsers typeset themselves: nothing to load, offline.
 """
@@ -33,9 +35,52 @@ def bench_results(text: str) -> str:
     head, *sections = re.split(r"^## ", text, flags=re.M)
     keep = [p for p in head.split("\n\n") if p.startswith(("Machine:", "Method:", "Candidates:"))]
     keep += ["## " + s.rstrip() for s in sections if s.startswith(BENCH_SECTIONS)]
-    out = "\n\n".join(keep)
-    out = re.sub(r" Each section names the optim commit it measured;[^.]*\.", "", out)
-    return re.sub(r" \(optim [0-9a-f]{7,40}\)", "", out)
+    return scrub("\n\n".join(keep))
+
+
+_STAMP = r"measured \d{4}-\d\d-\d\d(?: \d\d:\d\d)?(?: UTC)?(?:, load average \d+(?:\.\d+)? -> \d+(?:\.\d+)?)?"
+_SCRUB = (
+    # "Each section names the optim commit it measured; the repository changes often, so ..." (may wrap anywhere)
+    (r"\s*Each\s+section\s+names\s+the\s+optim\s+commit\s+it\s+measured;[^.]*\.", ""),
+    # " (optim 609b3bf)", " (optim 7e67ab7+dirty -> 4dc3c0f+dirty (optim changed during the run))"
+    (r"\s*\(optim [0-9a-f]{7,40}\b[^()]*(?:\([^()]*\)[^()]*)*\)", ""),
+    # "...(5 weight/bias pairs); measured 2026-12-01 15:30 UTC. Time per call" -> "...pairs). Time per call"
+    (r";\s+" + _STAMP + r"(?=\.(?!\d))", ""),
+    # "; measured 2026-12-03 19:13 UTC, load average 1.5 -> 1.8, torch threads 2" -> "; torch threads 2"
+    (_STAMP + r"[,;]\s+", ""),
+    (r",?\s+load average \d+(?:\.\d+)? -> \d+(?:\.\d+)?", ""),
+    # bench/CHOOSING.md's machine line: "optim 0.1.0 at commit 568a8c1 with uncommitted changes; 2026-12-02."
+    (r"\s+at\s+commit\s+[0-9a-f]{7,40}(?:\s+with\s+uncommitted\s+changes)?", ""),
+    (r";\s+\d{4}-\d\d-\d\d\.", "."),
+    (r"\s+\(shared\s+with\s+other\s+work\s+while\s+measured\)", ""),
+    (r"\s+shared\s+with\s+other\s+work\b", ""),
+)
+
+
+def scrub(text: str) -> str:
+    """bench/*.md as a user reads it: what was measured, on what, and the numbers, without the commits each result
+    measured, when it was measured and how loaded the machine was (tests/test_docs.py checks the built site)."""
+    for pattern, repl in _SCRUB:
+        text = re.sub(pattern, repl, text)
+    return text
+
+
+BENCH_INCLUDE = re.compile(r'^--8<-- "(?P<path>bench/[\w.-]+\.md)(?::(?P<section>[\w-]+))?"[ \t]*$', re.M)
+
+
+def bench_include(m: re.Match) -> str:
+    """A snippet line `--8<-- "bench/NAME.md:section"`: the section (the lines between its start and end markers,
+    as the snippets extension reads them) or the whole file, scrubbed."""
+    text = (ROOT / m["path"]).read_text()
+    if m["section"]:
+        start, end = (re.compile(rf"--8<-- \[{k}:{re.escape(m['section'])}\]") for k in ("start", "end"))
+        lines = text.splitlines(keepends=True)
+        first = next((i for i, line in enumerate(lines) if start.search(line)), None)
+        last = next((i for i, line in enumerate(lines) if end.search(line) and i > (first or 0)), None)
+        if first is None or last is None:
+            raise ValueError(f"{m['path']} has no section {m['section']!r} (its start and end markers)")
+        text = "".join(lines[first + 1 : last])
+    return scrub(text).rstrip("\n")
 
 
 def on_page_markdown(markdown, page, **kwargs):
@@ -48,4 +93,4 @@ def on_page_markdown(markdown, page, **kwargs):
         markdown = markdown.replace(include, re.sub(r"\]\(docs/", "](", changelog))
     if page.file.src_uri == "benchmarks.md" and BENCH_MARK in markdown:
         markdown = markdown.replace(BENCH_MARK, bench_results((ROOT / "bench" / "RESULTS.md").read_text()))
-    return markdown
+    return BENCH_INCLUDE.sub(bench_include, markdown)
