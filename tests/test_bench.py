@@ -24,6 +24,9 @@ BACKGROUND_RUNS = {
                                          ",".join(STEP_CANDIDATES), "--timeout", "900", "--out", "{out}/RESULTS.md"],
                                         {}),
     "test_bench_lowmem_quick_mode_runs": (["-m", "bench.lowmem", "--quick", "--out", "{out}/LOWMEM.md"], {}),
+    "test_bench_gpu_quick_mode_runs": (["-m", "bench.gpu", "--quick", "--sizes", "100x160k", "--rounds", "1",
+                                        "--target", "0.01", "--json", "{out}/GPU.json", "--md", "{out}/GPU.md"],
+                                       {"OPTIM_FUSED": "0", "OPTIM_GROUP": "all"}),
     # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
     "test_bench_choosing_runs": (["-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds", "1",
                                   "--inner", "1", "--out", "{out}/CHOOSING.md"],
@@ -117,6 +120,23 @@ def test_bench_lowmem_quick_mode_runs(request, tmp_path):
     assert 2 < per["AdamW q8"] < 8 and 1 < per["AdamW q4"] < per["AdamW q8"]
     assert {"AdamW q8", "AdamW q4", "AdamW float32"} <= set(res["step_seconds"])
     assert "| AdamW q4 |" in (folder / "LOWMEM.md").read_text()
+
+
+def test_bench_gpu_quick_mode_runs(request, tmp_path):
+    """`python -m bench.gpu --quick` (the GPU benchmark, prepared for a machine with a GPU) on CPU, as a GPU
+    process sets up (XLA's path, grouped): every candidate steps, ratios are to optax's Adam, and each jitted
+    candidate reports its compiled program's kernels. optim's grouped Adam has fewer than optax's one loop
+    per leaf. No timing asserts."""
+    import json
+
+    code, stdout, stderr, folder = background_run(request, tmp_path)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = json.loads((folder / "GPU.json").read_text())["workloads"]["100x160k"]["rows"]
+    assert rows["optax Adam"]["ratio"] == 1.0
+    assert not [k for k, r in rows.items() if r["error"] or not r["step_ms"] > 0]
+    assert {"optim Adam", "optim SkipNonFinite(AdamW)", "optim EMA(AdamW)", "probe p += g"} <= set(rows)
+    assert rows["optim Adam"]["kernels"] < rows["optax Adam"]["kernels"]
+    assert "| optim EMA(AdamW) |" in (folder / "GPU.md").read_text()
 
 
 def test_bench_choosing_runs(request, tmp_path):

@@ -26,7 +26,8 @@ from bench import kernels as K  # noqa: E402
 
 ADAMW = dict(weight_decay=0.1)
 # workload: (rule, bound on 100 leaves of 400x400, bound on 1000 leaves of 128x128); before grouping the first
-# were 93, 94, 103, 296, 300, 302 (and 985 on 1000 leaves for Adam); the 1000-leaf Muon and Adafactor were not measured.
+# were 93, 94, 103, 296, 300, 302 (and 985 on 1000 leaves for Adam); the 1000-leaf Muon and Adafactor were not
+# measured. SkipNonFinite(AdamW) and EMA(AdamW) before they were grouped: in the comments.
 CASES = {
     "Adam": (lambda: optim.Adam(1e-3), 10, 66),
     "Adam bf16 moments": (lambda: optim.Adam(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), 15, None),
@@ -34,6 +35,8 @@ CASES = {
     "clip+Adam": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-3)), 15, 100),
     "clip+AdamW": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3, **ADAMW)), 15, 100),
     "SkipNonFinite(Adam)": (lambda: optim.SkipNonFinite(optim.Adam(1e-3)), 25, None),
+    "SkipNonFinite(AdamW)": (lambda: optim.SkipNonFinite(optim.AdamW(1e-3, **ADAMW)), 25, 221),   # 308, 1985
+    "EMA(AdamW)": (lambda: optim.EMA(optim.AdamW(1e-3, **ADAMW), 0.999), 13, 83),                   # 19, 160
     "Muon": (lambda: optim.Muon(1e-3), 61, None),                   # one parameter a stack: 3111
     "Adafactor": (lambda: optim.Adafactor(1e-3), 31, None),         # 803
 }

@@ -41,6 +41,30 @@ def _grads(model, t):
     return g
 
 
+class _Normed(optim.Rule):
+    """Descent whose state keeps the parameter's norm (a read that is not elementwise)."""
+
+    def init(self, x):
+        return jnp.zeros((), x.dtype)
+
+    def apply(self, state, x, dx):
+        return jnp.sqrt(jnp.sum(x * x)), 1e-2 * dx
+
+
+class _Branching(optim.Rule):
+    """Descent with a weight decay, by a conditional on a hyperparameter (a predicate vmap does not batch: the
+    conditional stays one)."""
+
+    decay: float = 0.1
+
+    def init(self, x):
+        return ()
+
+    def apply(self, state, x, dx):
+        return state, jax.lax.cond(self.decay > 0, lambda d, a: 1e-2 * (d + self.decay * a),
+                                   lambda d, a: 1e-2 * d, dx, x)
+
+
 RULES = {
     "Adam": lambda: optim.Adam(1e-2),
     "Adam bf16 moments": lambda: optim.Adam(1e-2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
@@ -53,6 +77,10 @@ RULES = {
     "Lion": lambda: optim.Lion(1e-3),
     "Muon": lambda: optim.by_path({"b": optim.Adam(1e-2), "*": optim.Muon(1e-2)}),   # Newton-Schulz batched
     "Adafactor": lambda: optim.Adafactor(1e-2),
+    "EMA(AdamW)": lambda: optim.EMA(optim.AdamW(1e-2, weight_decay=0.1), 0.9),
+    "SkipNonFinite(AdamW)": lambda: optim.SkipNonFinite(optim.AdamW(1e-2, weight_decay=0.1)),
+    "EMA(Adam)": lambda: optim.EMA(optim.Adam(1e-2), 0.9),
+    "MixedPrecision(AdamW)": lambda: optim.MixedPrecision(optim.AdamW(1e-2, weight_decay=0.1)),
     "Momentum": lambda: optim.Momentum(1e-2),
     "RMSProp centred": lambda: optim.RMSProp(1e-2, centred=True),
     "Adam lr schedule": lambda: optim.Adam(optim.warmup_cosine(1e-2, 2, 10)),
@@ -111,13 +139,18 @@ def test_frozen_and_skipped_members_of_a_group_keep_their_state_bitwise(monkeypa
     (optim.SkipNonFinite(optim.Adam()), False), (optim.AdamW(weight_decay=0.1), False),
     (optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(weight_decay=0.1)), False),
     (optim.MixedPrecision(optim.Adam()), False),                         # it steps its master copy
-    (optim.EMA(optim.Adam()), True),                                     # its state averages the parameter
-    (optim.chain(optim.WeightDecay(0.1), optim.Adam()), True),           # Adam's moments read λ x
-    (optim.SkipNonFinite(optim.AdamW(weight_decay=0.1)), True)])         # its step reads x inside a conditional
+    (optim.EMA(optim.AdamW(weight_decay=0.1)), False),   # its state averages the new parameter, elementwise
+    (optim.EMA(optim.Adam()), False),                     # ... read where the new parameter is computed
+    (optim.chain(optim.WeightDecay(0.1), optim.Adam()), True),   # Adam's moments read λ x, and its step them
+    (optim.SkipNonFinite(optim.AdamW(weight_decay=0.1)), False),         # inside the platform's conditional
+    (optim.Lamb(), False),                                               # its step reads ‖x‖, its state not
+    (_Normed(), True),                                                   # its state reads ‖x‖
+    (_Branching(), True)])                                               # a conditional of its own reads x
 def test_which_rules_are_grouped(rule, reads, monkeypatch):
-    """A new state that reads the parameter, or a step that reads it inside a conditional, would read it through
-    the stack's concatenation, and XLA then copies every new parameter instead of writing it in place
-    (optim._engine.group, optim._engine.members): such rules keep one parameter a stack."""
+    """A rule is grouped unless its new state reads the parameter other than elementwise or where its step reads
+    that state too, or its step reads it inside a conditional of its own: such a read would go through the
+    stack's concatenation, and XLA then copies every new parameter or state instead of writing it in place
+    (optim._engine.group, optim._engine.members)."""
     assert _group.reads_parameter(rule) is reads
     monkeypatch.setattr(_group, "MODE", "all")
     state = optim.setup(rule, _model())
@@ -200,3 +233,56 @@ def test_grouped_step_writes_the_parameters_in_place(rule, monkeypatch):
     entry = text[text.index("ENTRY"):]
     assert not re.findall(r"f32\[100,100\]\{[0-9,]*\} copy\(", entry), entry
 
+
+
+@pytest.mark.parametrize("branch", ["cpu", "default"])
+def test_a_grouped_skip_of_a_step_that_reads_the_parameter(branch, monkeypatch):
+    """`SkipNonFinite(AdamW)` is grouped: its step, inside the platform's conditional (a conditional on CPU,
+    selects elsewhere), is computed per member in each branch (optim._engine.members). "default" runs the other
+    platforms' branch on the CPU (`platform_dependent` told to take it everywhere). A NaN gradient skips the
+    whole step, grouped or not; otherwise grouped and one parameter a stack agree."""
+    if branch == "default":
+        take = jax.lax.platform_dependent
+        monkeypatch.setattr(jax.lax, "platform_dependent",
+                            lambda *a, cpu=None, default=None, **k: take(*a, cpu=default, default=default))
+    make = RULES["SkipNonFinite(AdamW)"]
+
+    def run(mode):
+        monkeypatch.setattr(_group, "MODE", mode)
+        model = _model()
+        state = optim.setup(make(), model)
+        f = jax.jit(lambda s, m, g: optim.update(s, m, g))
+        x, out = model, []
+        for t in range(3):
+            g = _grads(model, t)
+            if t == 1:
+                g["w4"] = g["w4"].at[0, 0].set(jnp.nan)
+            state, x = f(state, x, g)
+            out.append(x)
+        return state, out
+
+    got_state, got = run("all")
+    want_state, want = run("0")
+    assert len(got_state.layout.stacks) < len(want_state.layout.stacks)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])):      # step 1 skipped: nothing moved
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(got_state["w0"].state.skipped) == 1
+    _close(got, want)
+    _close(optim.state_dict(got_state), optim.state_dict(want_state))
+
+
+@pytest.mark.parametrize("rule", [optim.AdamW(1e-3, weight_decay=0.1), optim.EMA(optim.AdamW(1e-3), 0.9),
+                                  optim.SkipNonFinite(optim.AdamW(1e-3, weight_decay=0.1))],
+                         ids=["AdamW", "EMA(AdamW)", "SkipNonFinite(AdamW)"])
+def test_a_lone_large_parameter_is_written_in_place(rule, monkeypatch):
+    """Issue 38's "no avoidable copy": a large parameter alone in its stack (grouping off, the CPU's default) was
+    read through its stack of one (a reshape) where its step reads it, and XLA:CPU copied each new parameter
+    out of the kernel that computes it; that arithmetic is now computed on the parameter's own array."""
+    monkeypatch.setattr(_group, "MODE", "0")
+    model = {f"w{i}": jnp.ones(BIG) for i in range(3)}
+    state = optim.setup(rule, model)
+    assert len(state.layout.stacks) == 3
+    text = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1)).lower(
+        state, model, model).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    assert not re.findall(r"f32\[(?:1,)?100,100\]\{[0-9,]*\} copy\(", entry), entry

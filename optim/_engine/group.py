@@ -9,13 +9,15 @@ stack's rule runs as one. Compiled for an H100 without a GPU (`python -m bench.k
 gradients of a stack through their concatenation inside the moments' kernel and writes every new parameter
 from one multi-output kernel.
 
-Grouped are the rules whose new state does not read the parameter (`reads_parameter`: EMA's average of the new
-parameter does), nor their step inside a conditional (`SkipNonFinite(AdamW)`). A step that reads it (AdamW's
-decoupled weight decay) is computed per member where it does (optim._engine.members): read through the stack's
-concatenation, XLA copied every new parameter out of the multi-output kernel instead of writing it into its
-donated buffer (AdamW on 100 leaves of 400x400: 111 kernels, 100 of them copies, against 98 one parameter a
-stack). Groups hold at most `GROUP_MAX_ELEMENTS` elements (and `STACK_MAX_MEMBERS` parameters), which bounds what
-XLA may materialise for one.
+Grouped are the rules that read the parameter, if at all, through elementwise arithmetic (`reads_parameter`):
+AdamW's decoupled weight decay, EMA's average of the new parameter, either inside `SkipNonFinite`'s
+platform-dependent skip. That arithmetic is computed per member, in the member's own array
+(optim._engine.members): read through the stack's concatenation, XLA copied every new parameter out of the
+multi-output kernel instead of writing it into its donated buffer (`bench/NOTES.md`). A rule whose new state
+reads the parameter otherwise (a norm, a reshape: `OPAQUE_READ`) or is read by its step (Adam's moments after
+`WeightDecay`), or that reads it inside a conditional of its own, keeps one parameter a stack. Groups hold at
+most `GROUP_MAX_ELEMENTS` elements (and `STACK_MAX_MEMBERS` parameters), which bounds what XLA may materialise
+for one.
 
 `OPTIM_GROUP` (read at import; `MODE` can also be set) says where: unset or `1`, in a process with a GPU or TPU
 backend (the CPU has optim's fused kernel, which stacks its own rules, `optim._engine.fused`); `0`, nowhere;
@@ -30,8 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax.extend.core import Literal
+
 from .._core.cache import LRU
-from .jaxpr_deps import output_deps
+from .members import CALLS, ELEMENTWISE, needed
 
 __all__ = ["MODE", "GROUP_MAX_ELEMENTS", "enabled", "groups", "reads_parameter"]
 
@@ -53,15 +57,17 @@ def enabled() -> bool:
 
 
 def groups(rule: Any) -> bool:
-    """Whether `rule`'s large parameters are stacked on XLA's path: grouping is on, and its new state does not
-    read the parameter (its step may: optim._engine.members)."""
+    """Whether `rule`'s large parameters are stacked on XLA's path: grouping is on, and its new state reads the
+    parameter, if at all, through elementwise arithmetic (its step may read it in any way:
+    optim._engine.members)."""
     return enabled() and not reads_parameter(rule)
 
 
 def reads_parameter(rule: Any) -> bool:
-    """Whether `rule`'s new state depends on the parameter's value, traced on a stack of two small float32
-    parameters (a rule that cannot be traced so counts as reading it). Cached by the rule's structure:
-    hyperparameters' values do not change what the step reads."""
+    """Whether `rule`'s new state depends on the parameter's value other than elementwise or is read by its step,
+    or its step reads the parameter inside a conditional that is not the platform's. Traced on a stack of two
+    small float32 parameters (a rule that cannot be traced so counts as reading it); cached by the rule's
+    structure: hyperparameters' values do not change what the step reads."""
     treedef = jax.tree_util.tree_structure(rule)
     found = _READS.get(treedef)
     if found is None:
@@ -82,15 +88,52 @@ def _traced_reads(rule: Any) -> bool:
     except Exception:     # noqa: BLE001 (a rule that needs other shapes: not grouped, as before)
         return True
     n_state = len(jax.tree.leaves(state))
-    labels = [frozenset()] * n_state + [frozenset({"x"}), frozenset()]
-    deps = output_deps(closed.jaxpr, labels)
+    try:
+        reads = _reads(closed.jaxpr, [0] * n_state + [ELEMENTWISE_READ, 0])
+    except _InCond:
+        return True
     n_new = len(jax.tree.leaves(out[0]))     # the new states' leaves come first; the steps may read x
-    # ... except inside a conditional (SkipNonFinite's), whose branches optim._engine.members cannot split
-    return any("x" in d for d in deps[:n_new]) or (any("x" in d for d in deps[n_new:]) and _has_cond(closed.jaxpr))
+    # A new state that reads x elementwise is computed per member where the step reads it too (Adam's moments
+    # after `WeightDecay`): stacked again for the state, a temporary and copies; such rules stay alone.
+    outs = closed.jaxpr.outvars
+    stepped = needed(closed.jaxpr, [False] * n_new + [True] * (len(outs) - n_new))
+    return any(r == OPAQUE_READ or (r and not isinstance(v, Literal) and v in stepped)
+               for r, v in zip(reads[:n_new], outs))
 
 
-def _has_cond(jaxpr: Any) -> bool:
-    from jax.extend.core import jaxprs_in_params    # noqa: PLC0415
+# How a value of the traced step depends on the parameter: not, through elementwise arithmetic only (which
+# optim._engine.members computes per member), or through anything else (a reduction, a reshape, ...).
+ELEMENTWISE_READ, OPAQUE_READ = 1, 2
 
-    return any(e.primitive.name == "cond" or any(_has_cond(j) for j in jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)
+
+class _InCond(Exception):
+    """The parameter is read inside a conditional that is not the platform's (`jax.lax.platform_dependent`)."""
+
+
+def _reads(jaxpr: Any, ins: list) -> list:
+    """For each output of `jaxpr`, how it depends on the parameter (`ins`: how each input does), following
+    calls and platform-dependent conditionals; raises `_InCond` where another conditional reads it."""
+
+    env: dict = dict(zip(jaxpr.invars, ins))
+    platform: dict = {}
+    for e in jaxpr.eqns:
+        got = [0 if isinstance(v, Literal) else env.get(v, 0) for v in e.invars]
+        name = e.primitive.name
+        if name == "platform_index":
+            platform[e.outvars[0]] = e.params["platforms"]
+        if not any(got):
+            continue
+        if name == "cond":
+            if isinstance(e.invars[0], Literal) or e.invars[0] not in platform:
+                raise _InCond
+            # Groups are formed where there is a GPU or TPU: the CPU's branch does not count.
+            outs = [max(rs) for rs in zip(*[_reads(b.jaxpr, got[1:]) for b, on in zip(
+                e.params["branches"], platform[e.invars[0]]) if on != ("cpu",)])]
+        elif name in CALLS and "jaxpr" in e.params:
+            outs = _reads(e.params["jaxpr"].jaxpr, got)
+        elif name in ELEMENTWISE:
+            outs = [max(got)] * len(e.outvars)
+        else:
+            outs = [OPAQUE_READ] * len(e.outvars)
+        env.update(zip(e.outvars, outs))
+    return [0 if isinstance(v, Literal) else env.get(v, 0) for v in jaxpr.outvars]

@@ -25,7 +25,7 @@ from jax.extend.core import Literal
 from .jaxpr_deps import output_deps
 from .pack import is_packed
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "needed", "ELEMENTWISE", "CALLS"]
 
 # Primitives that compute each output element from the same element of each operand (0-d operands broadcast).
 ELEMENTWISE = frozenset("""
@@ -33,7 +33,7 @@ ELEMENTWISE = frozenset("""
     floor ge gt imag integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sqrt square sub tan tanh xor
 """.split())
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
+CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
 def evaluate(fn: Callable[[list], Any], stacked: list, members: list) -> tuple:
@@ -62,9 +62,10 @@ def evaluate(fn: Callable[[list], Any], stacked: list, members: list) -> tuple:
     step_def, rest_def, arrays, statics = holder
     n_steps = step_def.num_leaves
     deps = output_deps(closed.jaxpr, [frozenset({k}) for k in range(len(idx))])
-    if any(deps[n_steps:]) or not any(deps[:n_steps]):
+    if not any(deps):
         return (*fn(stacked), [None] * len(stacked))
-    outs = _eval(closed.jaxpr, closed.consts, [_Value(stacked[k], tuple(members[k])) for k in idx])
+    outs = _eval(closed.jaxpr, closed.consts, [_Value(stacked[k], tuple(members[k])) for k in idx],
+                 [k < n_steps for k in range(len(deps))])
     steps = [o.stacked() for o in outs[:n_steps]]
     it = iter(o.stacked() for o in outs[n_steps:])
     states, written = jax.tree_util.tree_unflatten(rest_def, [next(it) if a else s for a, s in zip(arrays, statics)])
@@ -99,10 +100,15 @@ class _Value:
         return a if jnp.ndim(a) == 0 else a[m]
 
 
-def _eval(jaxpr: Any, consts: list, args: list) -> list:
+def _eval(jaxpr: Any, consts: list, args: list, steps: list) -> list:
     """Evaluate `jaxpr` on `_Value`s, binding each primitive as `jax.core.eval_jaxpr` does; an elementwise
-    equation reading a value per member is computed per member (see the module docstring)."""
+    equation reading a value per member is computed per member (see the module docstring), except one that
+    only a new state needs (`steps[i]`: whether output `i` is a step) and that reads a stacked array: that one
+    is computed on the stack, reading the members through their concatenation, so that the new state is
+    written elementwise into its own (donated) stacked buffer."""
     env: dict = {}
+    for_steps = needed(jaxpr, steps)
+    platform: dict = {}     # the index of a platform-dependent conditional -> its platforms per branch
 
     def read(v: Any) -> _Value:
         return _Value(v.val) if isinstance(v, Literal) else env[v]
@@ -115,9 +121,17 @@ def _eval(jaxpr: Any, consts: list, args: list) -> list:
         ins = [read(v) for v in e.invars]
         per = {(len(a.members), a.shape) for a in ins if a.members is not None}
         name = e.primitive.name
+        if per and name == "cond" and not isinstance(e.invars[0], Literal) and e.invars[0] in platform:
+            shapes = {want: n for n, want in per}
+            for v, o in zip(e.outvars, _eval_platform_cond(e, platform[e.invars[0]], ins[1:], shapes,
+                                                           [v in for_steps for v in e.outvars])):
+                env[v] = o
+            continue
         if len(per) == 1:
             n, want = per.pop()
-            if name in ELEMENTWISE and all(a.shape in ((), want) for a in ins) and all(
+            state_only = not any(v in for_steps for v in e.outvars) and any(
+                a.members is None and a.shape == want and v not in for_steps for a, v in zip(ins, e.invars))
+            if name in ELEMENTWISE and not state_only and all(a.shape in ((), want) for a in ins) and all(
                     tuple(o.aval.shape) == want for o in e.outvars):
                 rows = []
                 for m in range(n):
@@ -126,9 +140,10 @@ def _eval(jaxpr: Any, consts: list, args: list) -> list:
                 for k, v in enumerate(e.outvars):
                     env[v] = _Value(None, tuple(r[k] for r in rows), want)
                 continue
-            if name in _CALLS and "jaxpr" in e.params:
+            if name in CALLS and "jaxpr" in e.params:
                 inner = e.params["jaxpr"]
-                for v, o in zip(e.outvars, _eval(inner.jaxpr, inner.consts, ins)):
+                inner_steps = [v in for_steps for v in e.outvars]
+                for v, o in zip(e.outvars, _eval(inner.jaxpr, inner.consts, ins, inner_steps)):
                     env[v] = o
                 continue
         params = e.primitive.get_bind_params(e.params)     # (older JAX: (subfuns, params))
@@ -138,4 +153,50 @@ def _eval(jaxpr: Any, consts: list, args: list) -> list:
         outs = outs if e.primitive.multiple_results else [outs]
         for v, o in zip(e.outvars, outs):
             env[v] = _Value(o)
+        if name == "platform_index":
+            platform[e.outvars[0]] = e.params["platforms"]
     return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_platform_cond(e: Any, platforms: tuple, ins: list, shapes: dict, steps: list) -> list:
+    """A conditional on the platform (`jax.lax.platform_dependent`: `SkipNonFinite`'s skip, a conditional on
+    CPU and selects elsewhere) evaluated branch by branch like the rest (`_eval`), so that a grouped step
+    inside it is still computed per member. Each branch returns its steps of a stack's shape (`shapes`: stacked
+    shape -> members) per member and everything else stacked; the conditional is made again, and lowering keeps
+    the one branch of the target."""
+    def per_member(v: Any, step: bool) -> int:
+        return shapes.get(tuple(v.aval.shape), 0) if step else 0
+
+    def branch(b: Any) -> Callable[[], list]:
+        def run() -> list:
+            flat = []
+            for o, v, s in zip(_eval(b.jaxpr, b.consts, ins, steps), e.outvars, steps):
+                n = per_member(v, s)
+                flat.extend([o.member(m) for m in range(n)] if n else [o.stacked()])
+            return flat
+        return run
+
+    kinds: dict = {}
+    for b, names in zip(e.params["branches"], platforms):
+        for p in names or ("default",):
+            kinds[p] = branch(b)
+    flat = jax.lax.platform_dependent(**kinds)
+    out, i = [], 0
+    for v, s in zip(e.outvars, steps):
+        n = per_member(v, s)
+        if n:
+            out.append(_Value(None, tuple(flat[i:i + n]), tuple(v.aval.shape)))
+            i += n
+        else:
+            out.append(_Value(flat[i]))
+            i += 1
+    return out
+
+
+def needed(jaxpr: Any, wanted: list) -> set:
+    """The variables of `jaxpr` that the outputs marked in `wanted` are computed from."""
+    need = {v for v, w in zip(jaxpr.outvars, wanted) if w and not isinstance(v, Literal)}
+    for e in reversed(jaxpr.eqns):
+        if any(v in need for v in e.outvars):
+            need.update(v for v in e.invars if not isinstance(v, Literal))
+    return need

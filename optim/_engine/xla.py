@@ -45,7 +45,9 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
     # The rule's step per stack, in the state's stored form (packed small leaves: optim._engine.pack), its small
     # arithmetic run once per pack where the rule allows (optim._engine.hoist); in a group of large parameters
     # (optim._engine.group), the arithmetic that reads a parameter is done in its own array (optim._engine.members).
-    grouped = [(GROUPED, p.rule) in lay.wide and math.prod(p.shape) > STACK_MAX_SIZE and len(x) > 1
+    # A large parameter alone in its stack too: read through its stack of one (a reshape), XLA:CPU copied its
+    # new value out of the kernel that computes it instead of writing it into its donated buffer.
+    grouped = [math.prod(p.shape) > STACK_MAX_SIZE and ((GROUPED, p.rule) in lay.wide or len(x) == 1)
                and all(isinstance(a, jax.core.Tracer) for a in x) and not traced_sharded(x[0])
                for p, x in zip(places, xs)]
     results, written, member_steps = members.evaluate(

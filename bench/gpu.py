@@ -1,0 +1,267 @@
+"""`python -m bench.gpu [--quick] [--rounds N] [--sizes ...] [--json OUT] [--md OUT]`: optimiser steps on the
+default device (a GPU where JAX has one), optim against optax and torch, in one process with interleaved rounds.
+
+What issue 38 measured on an H200 by hand, as one prepared run (`bench/GPU.md` holds its results):
+
+- Workloads: `1x16M` (one 4096x4096 leaf), `100x160k` (100 leaves of 400x400), `1000x16k` (1000 of 128x128):
+  the same 16M float32 parameters in 1, 100 and 1000 leaves. `--quick` keeps the leaf counts' order of magnitude
+  at tiny sizes (for a check on CPU; numbers meaningless).
+- Candidates, each a jitted step `(state, params, grads) -> (state, params)` donating state and parameters, with
+  its optax counterpart: Adam (`optax.adam`, the reference of every ratio), AdamW, `chain(ClipGlobalNorm,
+  AdamW)`, `SkipNonFinite(AdamW)` (`optax.apply_if_finite`), `EMA(AdamW)` (`optax.adamw` plus an EMA of the new
+  parameters), Adam with bfloat16 moments (optax: `mu_dtype` only, it has no `nu_dtype`), AdamW with q8 moments
+  (optim only); torch's fused Adam on the same device where torch is installed (CUDA when JAX's device is a
+  GPU and torch has CUDA; else torch's CPU `foreach` Adam); and a probe `p += g` (the bandwidth floor: 12 bytes
+  a parameter against Adam's 28).
+- Per candidate: the median time of a step over `--rounds` rounds (the order rotates every round), its ratio to
+  optax's Adam, the first call (trace, compile and run), the compiled program's kernels (`bench.kernels`'
+  count: fusions, library calls, copies) and XLA's temporary buffer (`memory_analysis`); per workload the
+  device's peak memory (`memory_stats`, where the device reports it: a process-wide high-water mark).
+
+Run it on a GPU as one script (`tests/test_bench.py` runs `--quick` on CPU):
+
+    python -m bench.gpu --md bench/GPU.md --json bench/GPU.json
+    python -m bench.step --only gpt-110m --out "$OUT/step/RESULTS.md"    # the whole GPT step, first-call times
+
+the second writes its section (optim's production stack against optax's and torch's, its first calls and peak
+memory) to a results file of its own, to be copied into `bench/GPU.md`: `bench/STEP.json` and `bench/RESULTS.md`
+hold the CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .worker import interleave
+
+HERE = Path(__file__).resolve().parent
+SIZES = {"1x16M": (1, (4096, 4096)), "100x160k": (100, (400, 400)), "1000x16k": (1000, (128, 128))}
+QUICK = {"1x16M": (1, (256, 256)), "100x160k": (20, (100, 100)), "1000x16k": (100, (16, 16))}
+REFERENCE = "optax Adam"
+
+
+def rules() -> dict:
+    """name -> (optim rule or None, optax transformation or None)."""
+    import jax.numpy as jnp
+    import optax
+    import optim
+
+    from .kernels import _optax_ema
+
+    bf16, wd = jnp.bfloat16, 0.1
+    return {
+        "Adam": (optim.Adam(1e-3), optax.adam(1e-3)),
+        "AdamW": (optim.AdamW(1e-3, weight_decay=wd), optax.adamw(1e-3, weight_decay=wd)),
+        "clip+AdamW": (optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3, weight_decay=wd)),
+                       optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=wd))),
+        "SkipNonFinite(AdamW)": (optim.SkipNonFinite(optim.AdamW(1e-3, weight_decay=wd)),
+                                 optax.apply_if_finite(optax.adamw(1e-3, weight_decay=wd), 100)),
+        "EMA(AdamW)": (optim.EMA(optim.AdamW(1e-3, weight_decay=wd), 0.999),
+                       _optax_ema(optax.adamw(1e-3, weight_decay=wd), 0.999)),
+        "Adam bf16 moments": (optim.Adam(1e-3, mu_dtype=bf16, nu_dtype=bf16), optax.adam(1e-3, mu_dtype=bf16)),
+        "AdamW q8": (optim.AdamW(1e-3, weight_decay=wd, mu_dtype=optim.q8, nu_dtype=optim.q8), None),
+    }
+
+
+class JaxStep:
+    """A jitted step `fn(state, params, grads) -> (state, params)` donating state and parameters."""
+
+    def __init__(self, name: str, fn, state, params, grads):
+        import jax
+
+        self.name, self.state, self.params, self.grads = name, state, params, grads
+        jitted = jax.jit(fn, donate_argnums=(0, 1))
+        t = time.perf_counter()
+        compiled = jitted.lower(state, params, grads).compile()
+        self.compile_s = time.perf_counter() - t
+        self.kernels = _kernels(compiled.as_text())
+        mem = compiled.memory_analysis()
+        self.temp_mb = None if mem is None else mem.temp_size_in_bytes / 2**20
+        self._fn = compiled
+        t = time.perf_counter()
+        self.step()
+        self.block()
+        self.first_s = self.compile_s + time.perf_counter() - t
+
+    def step(self):
+        self.state, self.params = self._fn(self.state, self.params, self.grads)
+
+    def block(self):
+        import jax
+        jax.block_until_ready((self.state, self.params))
+
+
+class TorchAdam:
+    """torch's fused Adam (multi-tensor, one launch per chunk of tensors) on the same parameters."""
+
+    def __init__(self, arrays: list, cuda: bool):
+        import torch
+
+        self.name, self.first_s, self.kernels, self.temp_mb = "torch Adam fused", None, None, None
+        dev = "cuda" if cuda else "cpu"
+        self._torch, self._cuda = torch, cuda
+        self.params = [torch.tensor(np.asarray(a), device=dev, requires_grad=True) for a in arrays]
+        for p in self.params:
+            p.grad = torch.full_like(p, 1e-3)
+        kw = {"fused": True} if cuda else {"foreach": True}
+        if not cuda:
+            self.name = "torch Adam foreach (CPU)"
+        self.opt = torch.optim.Adam(self.params, lr=1e-3, **kw)
+        t = time.perf_counter()
+        self.step()
+        self.block()
+        self.first_s = time.perf_counter() - t
+
+    def step(self):
+        self.opt.step()
+
+    def block(self):
+        if self._cuda:
+            self._torch.cuda.synchronize()
+
+
+def _kernels(text: str) -> int | None:
+    from .kernels import entry_kernels
+
+    try:
+        return entry_kernels(text)["kernels"]
+    except Exception:      # noqa: BLE001 (a backend whose program text has no ENTRY: no count)
+        return None
+
+
+def candidates(n: int, shape: tuple, torch: bool) -> dict:
+    """name -> candidate, each with its own copy of the parameters; the gradients are shared."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import optim
+
+    keys = jax.random.split(jax.random.key(0), n)
+    base = {f"w{i:04d}": jax.random.normal(k, shape, jnp.float32) for i, k in enumerate(keys)}
+    grads = jax.tree.map(lambda a: 1e-3 * a, base)
+
+    def fresh():
+        return jax.tree.map(jnp.copy, base)
+
+    def optim_step(state, params, g):
+        return optim.update(state, params, g)
+
+    def optax_step(tx):
+        def step(state, params, g):
+            updates, state = tx.update(g, state, params)
+            return state, optax.apply_updates(params, updates)
+        return step
+
+    out = {}
+    for name, (rule, tx) in rules().items():
+        if tx is not None:
+            p = fresh()
+            out[f"optax {name}"] = JaxStep(f"optax {name}", optax_step(tx), tx.init(p), p, grads)
+        if rule is not None:
+            p = fresh()
+            out[f"optim {name}"] = JaxStep(f"optim {name}", optim_step, optim.setup(rule, p), p, grads)
+    p = fresh()
+    out["probe p += g"] = JaxStep("probe p += g", lambda s, q, g: (s, jax.tree.map(jnp.add, q, g)), (), p, grads)
+    if torch:
+        try:
+            import torch as _t
+            cuda = jax.default_backend() == "gpu" and _t.cuda.is_available()
+            t = TorchAdam(list(base.values()), cuda)
+            out[t.name] = t
+        except ImportError:
+            pass
+    return out
+
+
+def peak_mb() -> float | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**20
+
+
+def run(sizes: dict, rounds: int, target: float, torch: bool, log=print) -> dict:
+    import jax
+
+    out = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+           "jax": jax.__version__, "commit": _commit(), "rounds": rounds, "workloads": {}}
+    for size, (n, shape) in sizes.items():
+        cands = candidates(n, shape, torch)
+        res = interleave(dict(cands), rounds, target)["samples"]
+        rows = {}
+        for name, c in cands.items():
+            samples = res.get(name)
+            t = statistics.median(samples) if isinstance(samples, list) and samples else None
+            rows[name] = {"step_ms": None if t is None else t * 1e3, "first_s": c.first_s, "kernels": c.kernels,
+                          "temp_mb": c.temp_mb, "error": samples if isinstance(samples, str) else None}
+        ref = rows[REFERENCE]["step_ms"]
+        for r in rows.values():
+            r["ratio"] = None if r["step_ms"] is None or not ref else r["step_ms"] / ref
+        out["workloads"][size] = {"leaves": n, "shape": list(shape), "rows": rows, "peak_mb": peak_mb()}
+        log(f"{size}: " + ", ".join(f"{k} {v['ratio']:.2f}" for k, v in rows.items() if v["ratio"] is not None))
+        del cands
+    return out
+
+
+def markdown(data: dict) -> str:
+    lines = [f"Device: {data['device']} ({data['backend']}), jax {data['jax']}, optim at {data['commit']}; "
+             f"median of {data['rounds']} interleaved rounds, each ratio to `optax.adam` in the same process.", ""]
+    for size, w in data["workloads"].items():
+        peak = "" if w["peak_mb"] is None else f"; device peak {w['peak_mb']:.0f} MB"
+        lines += [f"### {size} ({w['leaves']} x {'x'.join(map(str, w['shape']))}{peak})", "",
+                  "| candidate | step (ms) | ratio | first call (s) | kernels | XLA temp (MB) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, r in w["rows"].items():
+            if r["error"]:
+                lines.append(f"| {name} | {r['error']} | | | | |")
+                continue
+            lines.append(f"| {name} | {r['step_ms']:.3f} | {r['ratio']:.2f} | {_f(r['first_s'])} | "
+                         f"{'' if r['kernels'] is None else r['kernels']} | {_f(r['temp_mb'], '{:.1f}')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip() or "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a check on CPU; numbers meaningless)")
+    ap.add_argument("--sizes", default=None, help=f"comma-separated: {', '.join(SIZES)} (default all)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--target", type=float, default=0.2, help="seconds a sample (default 0.2)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--md", help="write the results as markdown to this file")
+    args = ap.parse_args(argv)
+    table = QUICK if args.quick else SIZES
+    sizes = {k: table[k] for k in (args.sizes.split(",") if args.sizes else table)}
+    data = run(sizes, args.rounds, args.target, not args.no_torch, log=lambda s: print(s, file=sys.stderr))
+    text = markdown(data)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if args.md:
+        Path(args.md).write_text("## Optimiser steps on a GPU (`python -m bench.gpu`)\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
