@@ -56,6 +56,9 @@ def print_info(file: IO[str] | None = None) -> None:
 
     `jax.print_environment_info()` adds what JAX knows (numpy, GPU driver versions).
 
+    Args:
+        file: where to print, default `sys.stdout`.
+
     >>> import optim
     >>> optim.print_info()  # doctest: +ELLIPSIS
     optim: ...

@@ -176,7 +176,7 @@ def test_benchmarks_page_includes_the_results_file():
 # bench/*.md and CHANGELOG.md. docs/_ext/hooks.py scrubs what it includes from bench/; this reads the built site.
 SITE = ROOT / "build" / "site"   # where `make test` builds it (mkdocs build --strict --site-dir build/site)
 SITE_SOURCES = ("docs", "optim", "bench", "mkdocs.yml", "CHANGELOG.md", "examples")
-SITE_SUFFIXES = {".md", ".py", ".yml", ".css", ".png", ".svg", ".js"}
+SITE_SUFFIXES = {".md", ".py", ".yml", ".css", ".png", ".svg", ".js", ".jinja"}
 NOT_USER_PAGES = {"changelog/index.html", "404.html"}   # the changelog keeps its commits and issue numbers
 _HASH = r"(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
 BOOKKEEPING = {
@@ -206,22 +206,33 @@ def html_text(page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page))
 
 
+_BUILT_HERE: list[pathlib.Path] = []   # a site this test run built: one build for every module that asks
+
+
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory) -> pathlib.Path:
+    return site_dir(tmp_path_factory)
+
+
+def site_dir(tmp_path_factory) -> pathlib.Path:
     """The built docs site: build/site when it is newer than everything it is built from (after `make test`'s
-    `mkdocs build`), else built here into a temporary folder."""
+    `mkdocs build`), else built here into a temporary folder, once per test run (tests/test_api_docs.py's
+    fixture calls this too)."""
     index = SITE / "index.html"
     sources = [p for s in SITE_SOURCES for p in [ROOT / s, *(ROOT / s).rglob("*")]
                if p.suffix in SITE_SUFFIXES and "__pycache__" not in p.parts]
     newest = max(p.stat().st_mtime for p in sources)
     if index.exists() and index.stat().st_mtime > newest:
         return SITE
+    if _BUILT_HERE:
+        return _BUILT_HERE[0]
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     site = tmp_path_factory.mktemp("site")
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stderr[-4000:]}"
+    _BUILT_HERE.append(site)
     return site
 
 

@@ -46,12 +46,27 @@ def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     which changes the state's layout and so compiles a new program once (as `freeze` does); every later adjust
     of their values, or of the whole state, changes data only.
 
+    Args:
+        state: an optimiser state from `setup`, or a rule.
+        *args: path patterns (strings) selecting the parameters to change, then at most one number: the new
+            `lr`.
+        **hyper: the new values, by field name (`beta=(0.8, 0.99)`); each may be a schedule.
+
+    Returns:
+        A new state (or rule) of the same kind; `state` is not modified.
+
+    Raises:
+        TypeError: a keyword that no rule in the state has, or a structural field.
+        ValueError: a value the constructor would refuse, or a pattern that selects no parameter.
+
     >>> import jax.numpy as jnp, optim
-    >>> optim.adjust(optim.OptimiserChain(optim.ClipGrad(2.0), optim.Adam(0.1)), 0.2)
+    >>> chain = optim.OptimiserChain(optim.ClipGrad(2.0), optim.Adam(0.1))
+    >>> optim.adjust(chain, 0.2)
     OptimiserChain(ClipGrad(delta=2), Adam(lr=0.2, beta=(0.9, 0.999), eps=1e-08))
     >>> optim.adjust(optim.Descent(1), lr=0.5)
     Descent(lr=0.5)
-    >>> state = optim.setup(optim.Adam(0.1), {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}})
+    >>> model = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}}
+    >>> state = optim.setup(optim.Adam(0.1), model)
     >>> state = optim.adjust(state, "enc", lr=0.01)
     >>> state["enc.w"].rule.lr, state["dec.w"].rule.lr
     (Array(0.01, dtype=float32), Array(0.1, dtype=float32))
@@ -278,12 +293,39 @@ def _swap(rule: Any, changes: dict) -> Any:
 
 def freeze(state: State, *patterns: str) -> State:
     """Freeze the parameters whose dotted path (any tied member) equals, lies below, or fnmatch-matches a
-    pattern; with no pattern, every parameter. A frozen parameter gets no step and its state is kept."""
+    pattern; with no pattern, every parameter. A frozen parameter gets no step and its state is kept.
+
+    Args:
+        state: the optimiser state, from `setup`.
+        *patterns: dotted paths (`"encoder.w"`), prefixes (`"encoder"`) or fnmatch patterns (`"*.bias"`).
+
+    Returns:
+        A new state with those parameters frozen; `state` is not modified.
+
+    Raises:
+        PathError: a pattern that matches no trainable path (a `ValueError`).
+
+    >>> import jax.numpy as jnp, optim
+    >>> model = {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(2)}
+    >>> state = optim.freeze(optim.setup(optim.Descent(0.5), model), "encoder")
+    >>> grads = {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(2)}
+    >>> state, model = optim.update(state, model, grads)
+    >>> model["encoder"]["w"], model["head"]
+    (Array([1., 1.], dtype=float32), Array([0.5, 0.5], dtype=float32))
+    """
     return with_frozen(state, select(state, patterns, "freeze"), True)
 
 
 def thaw(state: State, *patterns: str) -> State:
-    """Undo `freeze` for the matching parameters (all of them with no pattern)."""
+    """Undo `freeze` for the matching parameters (all of them with no pattern).
+
+    Args:
+        state: the optimiser state, from `setup`.
+        *patterns: as for `freeze`.
+
+    Returns:
+        A new state with those parameters stepping again; `state` is not modified.
+    """
     return with_frozen(state, select(state, patterns, "thaw"), False)
 
 

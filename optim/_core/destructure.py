@@ -52,13 +52,22 @@ def trainables(model: PyTree, state: State | None = None, path: bool = False) ->
     Ties are found by object identity; pass `state` (from `optim.setup`) to use its tie map instead, as needed
     inside `jax.jit` or `jax.grad`, where every position holds its own tracer.
 
+    Args:
+        model: a pytree.
+        state: the optimiser state of `model`, whose tie map to use.
+        path: return `(dotted_path, array)` pairs rather than the arrays.
+
+    Returns:
+        A list of arrays, or of `(dotted_path, array)` pairs.
+
     >>> import jax, jax.numpy as jnp, optim
     >>> w = jnp.ones(2)
     >>> model = {"a": w, "b": [w, jnp.zeros(3)], "n": 1}
     >>> [p for p, _ in optim.trainables(model, path=True)]
     ['a', 'b.1']
     >>> state = optim.setup(optim.Adam(), model)
-    >>> int(jax.jit(lambda m: sum(a.size for a in optim.trainables(m, state)))(model))
+    >>> count = lambda m: sum(a.size for a in optim.trainables(m, state))
+    >>> int(jax.jit(count)(model))
     5
     """
     if isinstance(state, bool):   # trainables(model, True): the old positional form of path=True
@@ -77,6 +86,13 @@ def destructure(model: PyTree, state: State | None = None) -> tuple[jax.Array, C
     Ties are found by object identity; pass `state` (from `optim.setup`) to use its tie map instead, as needed
     on a traced model (inside `jax.jit` or `jax.grad`). With a state, a position tied through a function
     (`ties={path: (canonical, f)}`) is not in the vector: `rebuild` writes `f(canonical)` there.
+
+    Args:
+        model: a pytree.
+        state: the optimiser state of `model`, whose tie map to use.
+
+    Returns:
+        `(flat, rebuild)`: the vector, and the function that puts a vector back into the model.
 
     >>> import jax, jax.numpy as jnp, optim
     >>> w = jnp.ones(2)

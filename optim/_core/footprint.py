@@ -21,7 +21,8 @@ def state_bytes(state: State) -> int:
 
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.zeros((1000,))
-    >>> optim.state_bytes(optim.setup(optim.Adam(), {"a": w, "b": w}))    # m, v: 2 x 4000 bytes; bt, step
+    >>> # m, v: 2 x 4000 bytes; bt, step: 12 bytes
+    >>> optim.state_bytes(optim.setup(optim.Adam(), {"a": w, "b": w}))
     8012
     """
     if not isinstance(state, State):

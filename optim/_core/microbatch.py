@@ -113,16 +113,18 @@ def microbatch(grad_fn: Callable[..., Any], n: int) -> Callable[..., Any]:
     >>> import jax, jax.numpy as jnp, optim
     >>> def loss(w, x, y):
     ...     return jnp.mean((x @ w - y) ** 2)
-    >>> w, x, y = jnp.array([1.0, -1.0]), jnp.arange(16.0).reshape(8, 2), jnp.ones(8)
-    >>> grad_fn = optim.microbatch(jax.value_and_grad(loss), 4)    # 4 slices of 2 rows
+    >>> w = jnp.array([1.0, -1.0])
+    >>> x, y = jnp.arange(16.0).reshape(8, 2), jnp.ones(8)
+    >>> # 4 slices of 2 rows
+    >>> grad_fn = optim.microbatch(jax.value_and_grad(loss), 4)
     >>> grad_fn(w, x, y)
     (Array(4., dtype=float32), Array([-28., -32.], dtype=float32))
-    >>> jax.value_and_grad(loss)(w, x, y)                            # the full batch at once: the same
+    >>> jax.value_and_grad(loss)(w, x, y)   # the full batch at once: the same
     (Array(4., dtype=float32), Array([-28., -32.], dtype=float32))
     >>> grad_fn(w, x[:6], y[:6])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: microbatch: batch leaf <root> of argument 1 (float32[6, 2]) has a leading axis of size 6, not ...
+    ValueError: microbatch: batch leaf <root> of argument 1 (float32[6, 2]) has ...
     """
     if not callable(grad_fn):
         raise TypeError(f"microbatch: grad_fn must be callable, got {type(grad_fn).__name__}")

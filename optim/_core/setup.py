@@ -56,8 +56,15 @@ class by_path:   # noqa: N801 (a function-like name: it is used as `setup(by_pat
     parameters can be adjusted alone, `adjust(state, "*.bias", lr=...)`, without compiling a new program
     (the same rule object under several patterns is one rule).
 
+    Args:
+        table: `{pattern: rule}`, a non-empty dict; the first pattern that matches a leaf gives its rule.
+
+    Raises:
+        TypeError: a pattern that is not a string, or an entry that is not a rule.
+
     >>> import jax.numpy as jnp, optim
-    >>> model = {"dense": {"w": jnp.ones((2, 2)), "bias": jnp.zeros(2)}, "norm": {"scale": jnp.ones(2)}}
+    >>> dense = {"w": jnp.ones((2, 2)), "bias": jnp.zeros(2)}
+    >>> model = {"dense": dense, "norm": {"scale": jnp.ones(2)}}
     >>> rule = optim.by_path({"*.bias": optim.Adam(1e-3), "norm": optim.Adam(1e-3),
     ...                       "*": optim.AdamW(1e-3, weight_decay=0.1)})
     >>> state = optim.setup(rule, model)
@@ -115,64 +122,73 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
           like: State | None = None, state_sharding: Callable[[str, Any], Any] | None = None) -> State:
     """Initialise optimiser state for every trainable leaf of `model`.
 
-    Runs once, outside `jit`. Leaves that are the same array object are one parameter (a tie group). Inside a
-    traced function (`jit`, `vmap`, `grad`, `eval_shape`) each array argument becomes its own tracer, so one
-    array passed in at two positions arrives as two objects and identity cannot see the tie: there, distinct
-    traced leaves of one shape and dtype (which might be such a tie) are treated as separate parameters, with a
-    `UserWarning` naming two of them, once per model structure (tree structure) in a process, unless `ties=`
-    says which are tied (`ties={}`: none; no warning then). The explicit ties are kept, and a tracer at several
-    positions (a model built inside the trace) is still found by identity.
-    `ties` adds explicit ones: `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at
-    `path` is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through `f`,
-    and after each step it is recomputed as `f(new canonical)`). Trainable leaves are jax / numpy arrays of a
-    floating or complex dtype; everything else is carried through `update` untouched.
+    Runs once, outside `jit`. Trainable leaves are jax / numpy arrays of a floating or complex dtype; everything
+    else is carried through `update` untouched. Leaves that are the same array object are one parameter (a tie
+    group) with one state. Same-shaped parameters are stacked into one array per state field, with a leading
+    member axis (the docs' Stacking page).
 
-    `rule` may be a function `(path, array) -> rule` choosing a rule per parameter (all members of a tie group
-    must get the same rule). `like=old_state` keeps the optimiser state of every parameter whose canonical path,
-    shape, dtype and state structure still match, for a model that grew or shrank (new parameters start fresh).
+    Args:
+        rule: the rule of every parameter (`optim.Adam(1e-3)`); or a function `(path, array) -> rule` choosing
+            one per parameter (all members of a tie group must get the same rule); or an `optim.by_path` table.
+        model: a pytree holding the parameters (and anything else, carried through).
+        ties: explicit ties, `{path: canonical_path}`, or `{path: (canonical_path, f)}` when the leaf at `path`
+            is `f(canonical)` for a linear `f` such as `jnp.transpose` (its gradient is pulled back through
+            `f`; after each step it is recomputed as `f(new canonical)`). Inside a traced function (`jit`,
+            `vmap`, `grad`, `eval_shape`) one array passed in at two positions arrives as two tracers, and
+            identity cannot see the tie: there, distinct traced leaves of one shape and dtype are treated as
+            separate parameters, with a `UserWarning` naming two of them (once per model structure in a
+            process), unless `ties` says which are tied (`ties={}`: none, and no warning). The explicit ties
+            are kept, and a tracer at several positions is still found by identity.
+        like: an old `State`: every parameter whose canonical path, shape, dtype and state structure still
+            match keeps its optimiser state, for a model that grew or shrank (new parameters start fresh).
+        state_sharding: `fn(path, x)`, to place the optimiser state apart from the parameters (ZeRO-1:
+            replicated parameters, moments sharded over the data axis). Called once per parameter (tie group)
+            with its canonical dotted path and array, it returns a `jax.sharding.NamedSharding` (or
+            `SingleDeviceSharding`) for that parameter's state, or None for the default (the state lives like
+            the parameter). The state arrays of the parameter's shape (Adam's m and v) get that sharding; the
+            rule's other state arrays (Adam's β powers, Adafactor's row / column statistics, counters) are
+            replicated over the same mesh. `update`, eager or inside your `jit`, keeps the new state on these
+            shardings and the parameters on theirs (each step then all-gathers the updated parameters). A
+            parameter committed to devices needs its state on the same devices (over the same mesh when it is
+            sharded); one not committed to any (numpy, an array made without a device) is put where its state
+            is. A stack is sharded on the parameter's axes, never on the member axis (a member's `P(*spec)` is
+            the stack's `P(None, *spec)`), and only parameters with equal state shardings share a stack.
 
-    `state_sharding=fn` places the optimiser state apart from the parameters (ZeRO-1: replicated parameters,
-    moments sharded over the data axis). `fn(path, x)` is called once per parameter (tie group) with its
-    canonical dotted path and array, and returns a `jax.sharding.NamedSharding` (or `SingleDeviceSharding`) for
-    that parameter's state arrays, or None for the default (the state lives like the parameter). The state arrays
-    of the parameter's shape (Adam's m and v, ...) get that sharding; the rule's other state arrays (Adam's β
-    powers, Adafactor's factored row / column statistics, counters) are replicated over the same mesh: they are
-    small, and their axes are not the parameter's. `update`, eager or inside your `jit`, keeps the new state on
-    these shardings and the parameters on the shardings they had at `setup` (each step then all-gathers the
-    updated parameters: the price of sharded state with replicated parameters). A `fn` that is not callable, a
-    result that is not such a sharding, or a sharding that cannot shard the parameter's shape (a spec longer than
-    its rank, a dimension the mesh axes do not divide evenly) raise `TypeError` / `ValueError` naming the path,
-    before any state is made. So does a sharding over other devices than the parameter's: a parameter committed
-    to devices (a jax array placed with `device_put` or made by a sharded computation) needs its state on the
-    same set of devices, not on another device or on part of its mesh, and a parameter sharded over a mesh
-    (replicated included) needs its state over that same mesh; a parameter not committed to any (numpy, an
-    array made without a device) is put where its state is.
+    Returns:
+        The `State`: the rules, each parameter's state (a tie group's once) and the step counter, 0.
 
-    Same-shaped parameters are stacked into one array per state field with a leading member axis (see the
-    docs' Stacking page). A stack is sharded on the parameter's axes, never on the member axis: a
-    member's `P(*spec)` becomes the stack's `P(None, *spec)`, so each device holds its slice of every member, as
-    `fn` asked, and a member's state stays where it is when `adjust` or `freeze` regroups the stacks (the member
-    axis's length depends on optim's grouping thresholds, so a sharding on it could not be what `fn` meant).
-    Only parameters with equal state shardings share a stack; parameters given different ones are stacked
-    apart.
+    Raises:
+        TypeError: `rule` is not a rule, a function or a `by_path` table; `like` is not a `State`; `ties` is
+            not of the forms above; `state_sharding` is not callable or returns something other than such a
+            sharding.
+        ValueError: a tie that cannot hold (a path naming several leaves, a member given another rule); a
+            state sharding that cannot shard the parameter's shape (a spec longer than its rank, a dimension
+            the mesh axes do not divide evenly) or is on other devices than the parameter. Each error names
+            the path, before any state is made.
 
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.ones(3)
     >>> state = optim.setup(optim.Adam(0.1), {"emb": w, "head": w, "step": 0})
     >>> state.ties()
     {'emb': ('head',)}
-    >>> state = optim.setup(lambda path, x: optim.Muon(0.02) if x.ndim == 2 else optim.AdamW(3e-4),
-    ...                     {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+    >>> def choose(path, x):
+    ...     return optim.Muon(0.02) if x.ndim == 2 else optim.AdamW(3e-4)
+    >>> state = optim.setup(choose, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
     >>> type(state["w"].rule).__name__, type(state["b"].rule).__name__
     ('Muon', 'AdamW')
     >>> import jax
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))     # ZeRO-1 over the data axis (here one device)
+    >>> # ZeRO-1 over the data axis (here one device)
+    >>> mesh = jax.make_mesh((1,), ("data",))
     >>> zero1 = lambda path, x: NamedSharding(mesh, P("data")) if x.ndim else None
-    >>> state = optim.setup(optim.Adam(0.1), {"w": jnp.ones((4, 2)), "gain": jnp.ones(())}, state_sharding=zero1)
-    >>> m, v, beta = state["w"].state            # Adam's moments where fn says, the β powers replicated
-    >>> m.sharding.is_equivalent_to(zero1("w", m), m.ndim), beta.sharding.is_fully_replicated
-    (True, True)
+    >>> model = {"w": jnp.ones((4, 2)), "gain": jnp.ones(())}
+    >>> state = optim.setup(optim.Adam(0.1), model, state_sharding=zero1)
+    >>> # Adam's moments where fn says, the β powers replicated
+    >>> m, v, beta = state["w"].state
+    >>> m.sharding.is_equivalent_to(zero1("w", m), m.ndim)
+    True
+    >>> beta.sharding.is_fully_replicated
+    True
     """
     if not is_rule(rule) and not callable(rule) and not isinstance(rule, by_path):
         raise TypeError(f"setup: {rule!r} is not a rule; a rule has init(x) and apply(state, x, dx, *dxs)")

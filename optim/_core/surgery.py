@@ -26,7 +26,8 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
 
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.ones(2), "b": jnp.ones(2)}
-    >>> s, m = optim.update(optim.setup(optim.Momentum(0.1), m), m, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    >>> s = optim.setup(optim.Momentum(0.1), m)
+    >>> s, m = optim.update(s, m, {"a": jnp.ones(2), "b": jnp.ones(2)})
     >>> optim.reset(s, "a")["a"].state, optim.reset(s, "a")["b"].state
     (Array([0., 0.], dtype=float32), Array([0.1, 0.1], dtype=float32))
     """
@@ -67,7 +68,8 @@ def subtree(state: State, path: str) -> State:
     whose canonical lies outside is an error.
 
     >>> import jax.numpy as jnp, optim
-    >>> state = optim.setup(optim.Adam(), {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(3)})
+    >>> model = {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(3)}
+    >>> state = optim.setup(optim.Adam(), model)
     >>> optim.subtree(state, "encoder").paths()
     ['w']
     """
@@ -97,7 +99,8 @@ def graft(state: State, path: str, sub: State) -> State:
     >>> import jax.numpy as jnp, optim
     >>> model = {"encoder": {"w": jnp.ones(2)}, "head": jnp.ones(3)}
     >>> state = optim.setup(optim.Momentum(0.1), model)
-    >>> sub, _ = optim.update(optim.subtree(state, "encoder"), model["encoder"], {"w": jnp.ones(2)})
+    >>> sub = optim.subtree(state, "encoder")
+    >>> sub, _ = optim.update(sub, model["encoder"], {"w": jnp.ones(2)})
     >>> optim.graft(state, "encoder", sub)["encoder.w"].state
     Array([0.1, 0.1], dtype=float32)
     """

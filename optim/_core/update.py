@@ -45,41 +45,52 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     """Take one optimisation step: returns `(new_state, new_model)`; the inputs are not modified.
 
     For every parameter (tie group), the gradients of all its positions are summed, the rule runs once, and
-    the new value is written to every position (eagerly, as one array object). `None` in place of a gradient
-    leaf or subtree means no step and an unchanged state; so does a frozen parameter. Extra gradient trees
-    (`more_grads`) are summed the same way and passed to the rule as `apply(state, x, dx, dx2, ...)`.
+    the new value is written to every position (eagerly, as one array object). Called eagerly it compiles
+    itself once per structure; inside `jax.jit`, `pmap` or `vmap` it traces like any pure function.
 
-    Called eagerly it compiles itself once per structure; inside `jax.jit`, `pmap` or `vmap` it traces like
-    any pure function. `donate=True` lets the eager call reuse the old state's and parameters' buffers (the
-    caller must not use them afterwards). `return_grads=True` also returns the summed gradients (see
-    `tie_grads`) as a third element.
+    Args:
+        state: the optimiser state, from `setup` or an earlier `update`.
+        model: the model `state` was set up for (the same structure; the parameters' current values).
+        grads: the gradients, in the model's structure. `None` in place of a leaf or subtree means no step
+            and an unchanged state for those parameters; so does a frozen parameter.
+        *more_grads: extra gradient trees, summed over ties the same way and passed to the rule as
+            `apply(state, x, dx, dx2, ...)`.
+        donate: let the eager call reuse the old state's and parameters' buffers (the caller must not use
+            them afterwards).
+        return_grads: also return the tie-summed gradients (as `tie_grads` gives them).
+        return_stats: also return a dict of norms, computed in the same compiled program from the arrays
+            the step already reads, each parameter (tie group) counted once: `"grad_norm"` of the tie-summed
+            gradients applied (what `ClipGlobalNorm` sees), `"update_norm"` of `old - new` parameters,
+            `"param_norm"` of the new parameters (all of them, stepping or not), and `"per_param"`,
+            `{canonical path: {"grad_norm", "update_norm", "param_norm"}}` for every parameter (one that
+            took no step has gradient and update norms 0). Norms are accumulated in float32 or wider.
+            Eagerly, the global norms are device scalars and the per-parameter ones numpy scalars (one
+            transfer, which waits for the step); inside a jit, return the per-parameter norms only when you
+            log them: each returned scalar is an output XLA compiles on its own.
 
-    `return_stats=True` also returns a dict of norms, computed in the same compiled program from the arrays
-    the step already reads, each parameter (tie group) counted once: `"grad_norm"` of the tie-summed gradients
-    that were applied (what `ClipGlobalNorm` sees), `"update_norm"` of `old - new` parameters, `"param_norm"`
-    of the new parameters (all of them, stepping or not), and `"per_param"`: `{canonical path: {"grad_norm",
-    "update_norm", "param_norm"}}` for every parameter (a parameter that took no step, for a `None` gradient or
-    frozen, has gradient and update norms 0). Norms are accumulated in float32 or wider. The result is
-    `(state, model, stats)`, or `(state, model, grads, stats)` with `return_grads=True`. Eagerly, the global
-    norms are device scalars and the per-parameter ones numpy scalars (one transfer, which waits for the step);
-    inside a jit, return the per-parameter norms only when you log them: each returned scalar is an output
-    XLA compiles on its own (seconds per thousand).
+    Returns:
+        `(state, model)`; with `return_grads`, `(state, model, grads)`; with `return_stats`,
+        `(state, model, stats)`; with both, `(state, model, grads, stats)`.
 
     >>> import jax, jax.numpy as jnp, optim
     >>> w = jnp.array([1.0, 2.0])
-    >>> model = {"emb": w, "head": w, "b": jnp.zeros(2)}    # emb and head: one parameter
+    >>> # emb and head: one parameter; None: no step for b
+    >>> model = {"emb": w, "head": w, "b": jnp.zeros(2)}
     >>> state = optim.setup(optim.Descent(0.25), model)
-    >>> grads = {"emb": jnp.ones(2), "head": jnp.ones(2), "b": None}   # None: no step for b
+    >>> grads = {"emb": jnp.ones(2), "head": jnp.ones(2), "b": None}
     >>> state, model = optim.update(state, model, grads)
-    >>> model["emb"], model["emb"] is model["head"], model["b"]       # the tie's gradients are summed
+    >>> # the tie's gradients are summed
+    >>> model["emb"], model["emb"] is model["head"], model["b"]
     (Array([0.5, 1.5], dtype=float32), True, Array([0., 0.], dtype=float32))
-    >>> state, model = jax.jit(optim.update)(state, model, grads)     # the same inside jit
+    >>> state, model = jax.jit(optim.update)(state, model, grads)   # the same
     >>> model["head"]
     Array([0., 1.], dtype=float32)
     >>> state, model, stats = optim.update(state, model, grads, return_stats=True)
-    >>> [round(float(v), 4) for v in (stats["grad_norm"], stats["update_norm"], stats["param_norm"])]
+    >>> names = ("grad_norm", "update_norm", "param_norm")
+    >>> [round(float(stats[k]), 4) for k in names]
     [2.8284, 0.7071, 0.7071]
-    >>> {k: round(float(v), 4) for k, v in stats["per_param"]["emb"].items()}    # the tie counts once
+    >>> # the tie counts once
+    >>> {k: round(float(v), 4) for k, v in stats["per_param"]["emb"].items()}
     {'grad_norm': 2.8284, 'update_norm': 0.7071, 'param_norm': 0.7071}
     """
     prog, leaves, treedef, flat = plan(state, model, (grads, *more_grads), "update")
@@ -117,13 +128,22 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
     """The gradient of each parameter, summed over its tie group, in the model's structure: the summed
     gradient at each canonical path and `None` at other tied positions, non-trainable leaves and parameters
     without a gradient (Optimisers.jl #211). Feed it to `optax.global_norm` to log a norm that counts each
-    parameter once, or back to `update` as an already-summed gradient. `model` is needed only for ties
-    through a function (the pull-back is evaluated at the canonical value).
+    parameter once, or back to `update` as an already-summed gradient.
+
+    Args:
+        state: the optimiser state, from `setup`.
+        grads: the gradients, in the model's structure (`None` for no gradient).
+        model: the model; needed only for ties through a function (the pull-back is evaluated at the
+            canonical value).
+
+    Returns:
+        A tree of the model's structure: the tie-summed gradient at each canonical path, `None` elsewhere.
 
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.zeros(2)
     >>> state = optim.setup(optim.Adam(), {"a": w, "b": w, "n": 1})
-    >>> optim.tie_grads(state, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "n": None})
+    >>> grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0]), "n": None}
+    >>> optim.tie_grads(state, grads)
     {'a': Array([4., 6.], dtype=float32), 'b': None, 'n': None}
     """
     if model is None:
@@ -148,6 +168,13 @@ def tie_grads(state: State, grads: PyTree, model: PyTree | None = None) -> PyTre
 def global_norm(grads: PyTree, state: State | None = None) -> jax.Array:
     """The 2-norm of a whole gradient tree. With `state`, each parameter counts once, with the gradient summed
     over its tie group (`optax.global_norm` counts a tied weight once per position, with its partial gradient).
+
+    Args:
+        grads: a gradient tree (`None` leaves do not count).
+        state: the optimiser state, from `setup`, whose tie map to use; without it every position counts.
+
+    Returns:
+        The norm, a scalar array.
 
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.zeros(2)

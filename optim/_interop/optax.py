@@ -167,10 +167,10 @@ def from_optax(tx: Any, /, *, extra_args: dict | None = None, tree_args: tuple[s
     it, setup refuses it (its first update points along the gradient). `check=False` skips both checks.
 
     >>> import jax.numpy as jnp, optax, optim
-    >>> from optim._interop.optax import from_optax
     >>> w = jnp.array([1.0, 2.0])
-    >>> state = optim.setup(from_optax(optax.sgd(0.1)), {"a": w, "b": w})
-    >>> state, m = optim.update(state, {"a": w, "b": w}, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    >>> state = optim.setup(optim.from_optax(optax.sgd(0.1)), {"a": w, "b": w})
+    >>> grads = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> state, m = optim.update(state, {"a": w, "b": w}, grads)
     >>> m["a"], m["a"] is m["b"]
     (Array([0.8, 1.8], dtype=float32), True)
     """
@@ -249,10 +249,10 @@ def with_extra_args(state: State, **extra_args: Any) -> State:
     jitted step while the set of names stays the same.
 
     >>> import jax.numpy as jnp, optax, optim
-    >>> from optim._interop.optax import from_optax, with_extra_args
     >>> tx = optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau())
-    >>> state = optim.setup(from_optax(tx, extra_args={"value": 0.0}), {"w": jnp.ones(2)})
-    >>> float(with_extra_args(state, value=3.5)["w"].rule.extra_args["value"])
+    >>> rule = optim.from_optax(tx, extra_args={"value": 0.0})
+    >>> state = optim.setup(rule, {"w": jnp.ones(2)})
+    >>> float(optim.with_extra_args(state, value=3.5)["w"].rule.extra_args["value"])
     3.5
     """
     if not isinstance(state, State):

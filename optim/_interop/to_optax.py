@@ -207,9 +207,12 @@ def _checked_trees(state: State, extra: dict) -> list:
 def to_optax(rule: Any, *, ties: dict | None = None) -> Any:
     """An `optax.GradientTransformationExtraArgs` that runs the optim `rule`, for an existing optax loop:
 
-        tx = optim.to_optax(optim.Adam(1e-3))      # or optim.to_optax(optim.from_optax(optax.adam(1e-3)))
-        opt_state = tx.init(params)                # eagerly: finds ties by object identity
-        updates, opt_state = tx.update(grads, opt_state, params)   # inside your jax.jit as usual
+        # or optim.to_optax(optim.from_optax(optax.adam(1e-3)))
+        tx = optim.to_optax(optim.Adam(1e-3))
+        # eagerly: finds ties by object identity
+        opt_state = tx.init(params)
+        # inside your jax.jit as usual
+        updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
 
     `rule` is anything `optim.setup` takes: a rule, a function `(path, array) -> rule`, or an `optim.by_path`

@@ -45,16 +45,27 @@ def save(path: str | os.PathLike, state: State, model: PyTree | None = None) -> 
     The write goes to a temporary file in the same directory, which is fsynced and renamed over `path`; a
     crash mid-write leaves the previous checkpoint intact.
 
+    Args:
+        path: the file to write (replaced if it exists).
+        state: the optimiser state, from `setup` or `update`.
+        model: the model, to store with the state (optional).
+
+    Raises:
+        TypeError: `state` is not a `State`.
+        ValueError: several leaves of the model share a dotted path (the file names leaves by path).
+
     >>> import jax.numpy as jnp, optim, tempfile, os
-    >>> from optim._io.checkpoint import save, load
     >>> w = jnp.ones(3)
     >>> model = {"emb": w, "head": w}
     >>> state = optim.setup(optim.Adam(0.1), model)
-    >>> state, model = optim.update(state, model, {"emb": jnp.ones(3), "head": jnp.ones(3)})
+    >>> grads = {"emb": jnp.ones(3), "head": jnp.ones(3)}
+    >>> state, model = optim.update(state, model, grads)
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
-    >>> save(path, state, model)
-    >>> fresh = {"emb": jnp.zeros(3), "head": jnp.zeros(3)}      # untied: the file's tie map wins
-    >>> state2, model2 = load(path, like=(optim.setup(optim.Adam(0.1), fresh), fresh))
+    >>> optim.save(path, state, model)
+    >>> # untied: the file's tie map wins
+    >>> fresh = {"emb": jnp.zeros(3), "head": jnp.zeros(3)}
+    >>> like = (optim.setup(optim.Adam(0.1), fresh), fresh)
+    >>> state2, model2 = optim.load(path, like=like)
     >>> int(state2.step), model2["emb"] is model2["head"], state2.ties()
     (1, True, {'emb': ('head',)})
     """
@@ -141,8 +152,17 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     included), the step counter, the optimiser state and the model's arrays. Each array is placed like its
     counterpart in `like` (its sharding, for sharded training).
 
-    Raises `ValueError` naming what differs when the file is truncated or corrupted, or when it was saved from
-    another model (other leaf paths, node types, shapes, dtypes) or another rule; nothing is half-loaded.
+    Args:
+        path: a file written by `save`.
+        like: a `State` from `optim.setup` on a freshly built model, or `(state, model)`.
+
+    Returns:
+        The saved `State`, or `(state, model)` when `like` is a pair.
+
+    Raises:
+        ValueError: naming what differs, when the file is truncated or corrupted, or was saved from another
+            model (other leaf paths, node types, shapes, dtypes) or another rule; nothing is half-loaded.
+        TypeError: `like` is neither a `State` nor a `(state, model)` pair.
     """
     like_state, like_model = _split_like(like)
     path = os.fspath(path)

@@ -82,7 +82,8 @@ class Adafactor(StateDtypes, Rule):
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.full((256, 128), 0.5)
     >>> state = optim.setup(optim.Adafactor(0.1), x)
-    >>> {k: v.shape for k, v in state[""].state.items()}    # factored: a row and a column statistic
+    >>> # factored: a row and a column statistic
+    >>> {k: v.shape for k, v in state[""].state.items()}
     {'count': (), 'v_col': (256,), 'v_row': (128,)}
     >>> state, x = optim.update(state, x, jnp.ones((256, 128)))
     >>> x[0, 0]          # first step: u = g / |g| = 1, times η RMS(x) = 0.1 * 0.5

@@ -72,7 +72,7 @@ class Adam(StateDtypes, Rule):
         beta: decay rates (β₁, β₂) of the moments, default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `AdamState(mu, nu, bt)`: first moment (`mu_dtype`, default the parameter dtype), second moment (`nu_dtype`,
@@ -143,7 +143,7 @@ class RAdam(StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `RAdamState(mu, nu, bt, t)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`) and the
@@ -278,7 +278,7 @@ class AMSGrad(StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v` and `v̂`, default None (the parameter's real dtype); structural.
 
     State: `AMSGradState(mu, nu, nu_max)`: first moment (`mu_dtype`, default the parameter dtype), second moment and
@@ -338,7 +338,7 @@ class NAdam(StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `AdamState(mu, nu, bt)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`).
@@ -390,7 +390,7 @@ class AdamW(StateDtypes, Rule):
         eps: ε, default 1e-8, >= 0 (at least 1e-7 for 16-bit parameters).
         couple: whether the decay is scaled by η, default True (structural).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `AdamState(mu, nu, bt)`: first moment, second moment, products (β₁ᵗ, β₂ᵗ) (as `Adam`).
@@ -445,7 +445,7 @@ class AdaBelief(StateDtypes, Rule):
         beta: decay rates (β₁, β₂), default (0.9, 0.999), each in [0, 1).
         eps: ε, default 1e-16, >= 0 (at least 1e-7 for 16-bit parameters).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `s`, default None (the parameter's real dtype); structural.
 
     State: `AdaBeliefState(mu, s, bt)`: first moment (`mu_dtype`, default the parameter dtype), the "belief" second

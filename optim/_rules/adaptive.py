@@ -43,7 +43,7 @@ class RMSProp(StateDtypes, Rule):
         centred: subtract the squared running mean of `g` (Graves' centred form), default False (structural).
         mu_dtype: storage dtype of the centred `l`, a real floating dtype such as `jnp.bfloat16` or a `Quantized`
             format (`optim.q8`, `optim.q4`), default None (the parameter's dtype); structural; unused unless
-            centred. See `optim._rules.moments`.
+            centred. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `q`, default None (the parameter's real dtype); structural.
 
     State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (`nu_dtype`, default the real dtype), and

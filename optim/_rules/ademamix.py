@@ -48,7 +48,7 @@ class AdEMAMix(StateDtypes, Rule):
         weight_decay: λ, decoupled, multiplied by η, default 0.0, >= 0.
         mu_dtype: storage dtype of both first moments `m₁` and `m₂`, a real floating dtype such as
             `jnp.bfloat16` or a `Quantized` format (`optim.q8`, `optim.q4`), default None (the parameter's dtype);
-            structural. See `optim._rules.moments`.
+            structural. See `optim.Quantized` for 8- and 4-bit formats.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `AdEMAMixState(mu, mu_slow, nu, bt)`: the fast and slow first moments (`mu_dtype`, default the
@@ -69,11 +69,14 @@ class AdEMAMix(StateDtypes, Rule):
     >>> x = jnp.array([1.0, 2.0])
     >>> state = optim.setup(optim.AdEMAMix(0.1), x)
     >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
-    >>> [round(float(v), 5) for v in x]    # m̂₁ = g, m₂ = 1e-4 g, v̂ = g²: η (1 + 5e-4) sign(g)
+    >>> # m̂₁ = g, m₂ = 1e-4 g, v̂ = g²: η (1 + 5e-4) sign(g)
+    >>> [round(float(v), 5) for v in x]
     [0.89995, 2.10005]
-    >>> state = optim.setup(optim.AdEMAMix(0.1, alpha=optim.Linear(0.0, 5.0, 100)), x)
+    >>> rule = optim.AdEMAMix(0.1, alpha=optim.Linear(0.0, 5.0, 100))
+    >>> state = optim.setup(rule, x)
     >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
-    >>> [round(float(v), 5) for v in x]    # α = 0 on the first step: Adam's step, η sign(g)
+    >>> # α = 0 on the first step: Adam's step, η sign(g)
+    >>> [round(float(v), 5) for v in x]
     [0.79995, 2.20005]
     """
 

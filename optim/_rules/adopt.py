@@ -46,8 +46,7 @@ class ADOPT(StateDtypes, Rule):
         nesterov: the Nesterov step, default False; structural.
         use_clipping: clip `u` to `[-t^¼, t^¼]`, default True (the paper's stabilisation); structural.
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16` or a `Quantized` format
-            (`optim.q8`, `optim.q4`), default None (the parameter's dtype); structural. See
-            `optim._rules.moments`.
+            (`optim.q8`, `optim.q4`), default None (the parameter's dtype); structural. See `optim.Quantized`.
         nu_dtype: storage dtype of `v`, default None (the parameter's real dtype); structural.
 
     State: `ADOPTState(mu, nu, t)`: first moment (`mu_dtype`, default the parameter dtype), second moment

@@ -63,7 +63,8 @@ class EMA(Rule):
     >>> state = optim.setup(optim.EMA(optim.Descent(1.0), decay=0.5), x)
     >>> for _ in range(2):
     ...     state, x = optim.update(state, x, jnp.array([1.0, 1.0]))
-    >>> x, optim.averaged(state, x)      # 0.5 (0.5 · 1 + 0.5 · 0) + 0.5 · (-1) = -0.25
+    >>> # 0.5 (0.5 · 1 + 0.5 · 0) + 0.5 · (-1) = -0.25
+    >>> x, optim.averaged(state, x)
     (Array([-1.,  0.], dtype=float32), Array([-0.25,  0.75], dtype=float32))
     """
 
@@ -154,13 +155,21 @@ def averaged(state: State, model: PyTree) -> PyTree:
     average is written to each member (eagerly, as one array object; a position tied through a function gets
     `f(average)`). Works eagerly (compiled once per structure) and inside `jit`.
 
+    Args:
+        state: the optimiser state, from `setup`.
+        model: the current model, of the structure `state` was set up for.
+
+    Returns:
+        A model of the same structure: the averages in place of the averaged parameters.
+
     >>> import jax.numpy as jnp, optim
     >>> w = jnp.array([1.0, 2.0])
     >>> model = {"emb": w, "head": w, "n": 3}
     >>> state = optim.setup(optim.EMA(optim.Descent(0.1), decay=0.9), model)
-    >>> state, model = optim.update(state, model, {"emb": jnp.ones(2), "head": jnp.ones(2), "n": None})
+    >>> grads = {"emb": jnp.ones(2), "head": jnp.ones(2), "n": None}
+    >>> state, model = optim.update(state, model, grads)
     >>> avg = optim.averaged(state, model)
-    >>> avg["emb"], avg["emb"] is avg["head"], avg["n"]     # 0.9 · 1 + 0.1 · 0.8 = 0.98
+    >>> avg["emb"], avg["emb"] is avg["head"], avg["n"]     # 0.9 · 1 + 0.1 · 0.8
     (Array([0.98, 1.98], dtype=float32), True, 3)
     """
     from .._core.program import flatten_like    # _core.program imports the engine, which imports the rules

@@ -109,8 +109,9 @@ class Cautious(Rule):
     >>> x              # all agree: the step 0.1 scaled by 3 / (3 + 1)
     Array([0.925, 1.925, 2.925], dtype=float32)
     >>> state, x = optim.update(state, x, jnp.array([-0.5, 1.0, 1.0]))
-    >>> [round(float(v), 4) for v in x]    # u = 0.9 · 0.1 + 0.1 g = (0.04, 0.19, 0.19): the first masked,
-    ...                                    # the others scaled by 3 / (2 + 1) = 1
+    >>> # u = 0.9 · 0.1 + 0.1 g = (0.04, 0.19, 0.19): the first masked,
+    >>> # the others scaled by 3 / (2 + 1) = 1
+    >>> [round(float(v), 4) for v in x]
     [0.925, 1.735, 2.735]
     """
 

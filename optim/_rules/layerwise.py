@@ -119,7 +119,9 @@ class Muon(StateDtypes, Rule):
     >>> x = jnp.zeros((2, 2))
     >>> state = optim.setup(optim.Muon(0.1), x)
     >>> state, x = optim.update(state, x, jnp.array([[3.0, 0.0], [0.0, 4.0]]))
-    >>> x.round(2)     # u ∝ g; its singular values, 0.6 and 0.8 once normalised, become 0.72 and 1.12
+    >>> # u ∝ g; its singular values, 0.6 and 0.8 once normalised, become 0.72 and
+    >>> # 1.12
+    >>> x.round(2)
     Array([[-0.07,  0.  ],
            [ 0.  , -0.11]], dtype=float32)
     """

@@ -80,7 +80,8 @@ class Prodigy(Rule):
     (`t` the stamp, see the module docstring), `d` starting at `d₀`, and `Σ` over every entry of every stepping
     parameter:
 
-        λ = η d √(1 - β₂ᵏ) / (1 - β₁ᵏ),     m ← β₁ m + (1 - β₁) d g,     v ← β₂ v + (1 - β₂) d² g²,
+        λ = η d √(1 - β₂ᵏ) / (1 - β₁ᵏ),
+        m ← β₁ m + (1 - β₁) d g,     v ← β₂ v + (1 - β₂) d² g²,
         s ← β₃ s + (c / d₀) d g   with c = λ, or c = d with `safeguard_warmup`,
         r ← β₃ r + (d / d₀) λ Σ g (x₀ - x),     d' = max(d, κ r / Σ|s|),
         step = λ m / (√v + d' ε) + λ w x,
@@ -122,11 +123,13 @@ class Prodigy(Rule):
     >>> state = optim.setup(optim.Prodigy(estim_lr0=0.1), m)
     >>> g = {"a": jnp.array([0.5, -1.0]), "b": jnp.array(2.0)}
     >>> state, m = optim.update(state, m, g)
-    >>> m["a"].round(4), m["b"].round(4)     # Adam's first step, sign(g), times η d₀ = 0.1
+    >>> # Adam's first step, sign(g), times η d₀ = 0.1
+    >>> m["a"].round(4), m["b"].round(4)
     (Array([0.9, 2.1], dtype=float32), Array(-1.1, dtype=float32))
     >>> for _ in range(5):
     ...     state, m = optim.update(state, m, g)
-    >>> round(float(state["b"].state.d), 3)     # the gradient kept its direction: d grew from d₀ = 0.1
+    >>> # the gradient kept its direction: d grew from d₀ = 0.1
+    >>> round(float(state["b"].state.d), 3)
     0.301
     """
 
@@ -241,7 +244,8 @@ class DoG(Rule):
     >>> import jax.numpy as jnp, optim
     >>> m = {"a": jnp.array([3.0, 0.0]), "b": jnp.array(4.0)}
     >>> state = optim.setup(optim.DoG(reps_rel=0.1), m)
-    >>> state, m = optim.update(state, m, {"a": jnp.array([1.0, 0.0]), "b": jnp.array(0.0)})
+    >>> g = {"a": jnp.array([1.0, 0.0]), "b": jnp.array(0.0)}
+    >>> state, m = optim.update(state, m, g)
     >>> m              # r_ε = 0.1 (1 + ‖x₀‖) = 0.6 and ‖g‖ = 1: a step of 0.6 g
     {'a': Array([2.4, 0. ], dtype=float32), 'b': Array(4., dtype=float32)}
     """

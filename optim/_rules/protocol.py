@@ -42,7 +42,8 @@ class Gated:
     A chain that receives a `Gated` step keeps the state of every later stage unchanged where `ok` is false.
 
     >>> import jax.numpy as jnp, optim
-    >>> optim.apply_step(jnp.array([1.0, 2.0]), optim.Gated(jnp.array([0.5, 0.5]), jnp.array(False)))
+    >>> closed = optim.Gated(jnp.array([0.5, 0.5]), jnp.array(False))
+    >>> optim.apply_step(jnp.array([1.0, 2.0]), closed)
     Array([1., 2.], dtype=float32)
     """
 
@@ -56,7 +57,8 @@ class Replace:
     """Not a step but the new value of the parameter itself (used by `MixedPrecision`).
 
     >>> import jax.numpy as jnp, optim
-    >>> optim.apply_step(jnp.array([1.0, 2.0]), optim.Replace(jnp.array([5.0, 6.0])))
+    >>> new = optim.Replace(jnp.array([5.0, 6.0]))
+    >>> optim.apply_step(jnp.array([1.0, 2.0]), new)
     Array([5., 6.], dtype=float32)
     """
 
@@ -115,7 +117,7 @@ class Rule:
     non-static fields. A user-defined rule needs only `init` and `apply` (and may skip subclassing).
 
     The class attributes below declare each hyperparameter's range; the constructor checks concrete values
-    (`optim._rules.hyper`) and stores numbers as floats, so `adjust` never truncates one given as an int.
+    and stores numbers as floats, so `adjust` never truncates one given as an int.
     A tuple default makes the field a tuple of that many numbers, each checked alike: `beta=(0.9, 0.999)` a pair,
     `beta=(0.9, 0.99, 0.999)` a triple.
 
@@ -295,8 +297,10 @@ def apply_all(rule: Any, states: list, xs: list, dxs: list) -> tuple[list, list]
     each stack, which computes exactly what a loop over the parameters would.
 
     >>> import jax.numpy as jnp, optim
-    >>> xs = [jnp.array([[1.0, 2.0], [3.0, 4.0]])]          # one stack of two parameters
-    >>> states, steps = optim.apply_all(optim.Descent(0.5), [None], xs, [(jnp.ones((2, 2)),)])
+    >>> # one stack of two parameters
+    >>> xs = [jnp.array([[1.0, 2.0], [3.0, 4.0]])]
+    >>> grads = [(jnp.ones((2, 2)),)]
+    >>> states, steps = optim.apply_all(optim.Descent(0.5), [None], xs, grads)
     >>> steps[0]
     Array([[0.5, 0.5],
            [0.5, 0.5]], dtype=float32)

@@ -61,9 +61,10 @@ class Quantized:
     4 / block` (`q8`: 1.016, `q4`: 0.531; float32: 4). Give it as a rule's `mu_dtype` / `nu_dtype`:
 
     >>> import jax.numpy as jnp, optim
-    >>> rule = optim.AdamW(1e-3, weight_decay=0.1, mu_dtype=optim.q8, nu_dtype=optim.q4)
+    >>> rule = optim.AdamW(1e-3, mu_dtype=optim.q8, nu_dtype=optim.q4)
     >>> state = optim.setup(rule, {"w": jnp.ones((256, 256)), "b": jnp.ones(256)})
-    >>> optim.state_bytes(state) < 256 * 256 * 1.6     # "b" (256 numbers) keeps float32 moments
+    >>> # "b" (256 numbers) keeps float32 moments
+    >>> optim.state_bytes(state) < 256 * 256 * 1.6
     True
     """
 

@@ -124,9 +124,12 @@ def stochastic_round(y: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
 
     >>> import jax.numpy as jnp
     >>> from optim._rules.rounding import stochastic_round
-    >>> y = jnp.full(4, 1 + 2.0 ** -9, jnp.float32)           # a quarter of bfloat16's place above 1
-    >>> bits = jnp.array([0, 2 ** 30 - 256, 2 ** 30, 2 ** 32 - 1], jnp.uint32)   # u: 0, 0.25 - 2^-24, 0.25, ~1
-    >>> stochastic_round(y, jnp.bfloat16, bits)                  # up with probability 0.25: where u < 0.25
+    >>> # a quarter of bfloat16's place above 1
+    >>> y = jnp.full(4, 1 + 2.0 ** -9, jnp.float32)
+    >>> # u: 0, 0.25 - 2^-24, 0.25, ~1
+    >>> bits = jnp.array([0, 2 ** 30 - 256, 2 ** 30, 2 ** 32 - 1], jnp.uint32)
+    >>> # up with probability 0.25: where u < 0.25
+    >>> stochastic_round(y, jnp.bfloat16, bits)
     Array([1.00781, 1.00781, 1, 1], dtype=bfloat16)
     """
     dtype = jnp.dtype(dtype)
@@ -187,9 +190,12 @@ class StochasticRounding(Rule):
     >>> state = optim.setup(optim.StochasticRounding(optim.Descent(1e-3)), x)
     >>> for _ in range(10):
     ...     state, x = optim.update(state, x, jnp.ones(1000, jnp.bfloat16))
-    >>> round(float(x.astype(jnp.float32).mean()), 3)     # 1 - 10 * 0.001 on average
+    >>> # 1 - 10 * 0.001 on average
+    >>> round(float(x.astype(jnp.float32).mean()), 3)
     0.99
-    >>> x[:4]        # each element a bfloat16 value near 0.99; rounded to nearest, every step is lost (x stays 1)
+    >>> # each element a bfloat16 value near 0.99; rounded to nearest, every step is
+    >>> # lost (x stays 1)
+    >>> x[:4]
     Array([0.988281, 0.988281, 0.988281, 0.980469], dtype=bfloat16)
     """
 

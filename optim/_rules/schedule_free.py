@@ -69,7 +69,8 @@ class ScheduleFreeAdamW(Rule):
     >>> state = optim.setup(optim.ScheduleFreeAdamW(0.1), x)
     >>> for _ in range(2):
     ...     state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
-    >>> avg = optim.averaged(state, x)     # z: 0.9 then 0.8; x = (0.9 + 0.8) / 2; y = 0.9 x + 0.1 z
+    >>> # z: 0.9 then 0.8; x = (0.9 + 0.8) / 2; y = 0.9 x + 0.1 z
+    >>> avg = optim.averaged(state, x)
     >>> [round(float(v), 4) for v in x], [round(float(v), 4) for v in avg]
     ([0.845, 2.155], [0.85, 2.15])
     """

@@ -23,7 +23,7 @@ __all__ = ["Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "war
 class Schedule:
     """Base class: `schedule(step) -> value`, with `step` an integer scalar (possibly traced).
 
-    The constructor checks concrete numbers (`optim._rules.hyper`): values are finite and stored as floats (so
+    The constructor checks concrete numbers: values are finite and stored as floats (so
     `adjust` never truncates a schedule given as ints), and > 0 where the formula needs it (`_positive`);
     lengths are >= 0, and > 0 where the formula divides by them, so that no schedule ever yields NaN.
 
@@ -348,7 +348,8 @@ class Exponential(Schedule):
     >>> s = Exponential(1.0, 0.5, 10)
     >>> [round(float(s(t)), 3) for t in (0, 5, 10, 20, 30)]
     [1.0, 0.707, 0.5, 0.25, 0.125]
-    >>> [round(float(Exponential(1.0, 0.5, 10, staircase=True)(t)), 3) for t in (0, 9, 10, 25)]
+    >>> s = Exponential(1.0, 0.5, 10, staircase=True)
+    >>> [round(float(s(t)), 3) for t in (0, 9, 10, 25)]
     [1.0, 1.0, 0.5, 0.25]
     """
 

@@ -58,7 +58,7 @@ class Momentum(StateDtypes, Rule):
         lr: learning rate η, default 0.01, >= 0.
         rho: momentum ρ, default 0.9, in [0, 1].
         mu_dtype: storage dtype of `v`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
 
     State: `v`, the velocity (the last step), in `mu_dtype` (default the parameter's dtype), starting at 0.
 
@@ -185,7 +185,7 @@ class Lion(StateDtypes, Rule):
         beta: (β₁, β₂): the interpolation for the step and the momentum's decay, default (0.9, 0.99), each in
             [0, 1).
         mu_dtype: storage dtype of `m`, a real floating dtype such as `jnp.bfloat16`, default None (the
-            parameter's dtype); structural. See `optim._rules.moments`.
+            parameter's dtype); structural. See `optim.Quantized` for 8- and 4-bit formats.
 
     State: `m`, the momentum (`mu_dtype`, default the parameter dtype), starting at 0.
 

@@ -156,11 +156,15 @@ class SOAP(Rule):
     >>> state = optim.setup(optim.SOAP(0.1, weight_decay=0.0), x)
     >>> g = jnp.array([[2.0, 0.0], [0.0, 1.0]])
     >>> state, x = optim.update(state, x, g)
-    >>> x            # the first gradient only builds L = R = 0.05 g², and Q_L = Q_R = eigenvectors
+    >>> # the first gradient only builds L = R = 0.05 g², and Q_L = Q_R =
+    >>> # eigenvectors
+    >>> x
     Array([[0., 0.],
            [0., 0.]], dtype=float32)
     >>> state, x = optim.update(state, x, g)
-    >>> x.round(3)   # then an Adam step in that basis: η √(1 - β₂) / (1 - β₁) · (1 - β₁) G' / (√(1 - β₂) |G'|)
+    >>> # then an Adam step in that basis: η √(1 - β₂) / (1 - β₁) · (1 - β₁) G' /
+    >>> # (√(1 - β₂) |G'|)
+    >>> x.round(3)
     Array([[-0.1,  0. ],
            [ 0. , -0.1]], dtype=float32)
     """

@@ -26,7 +26,8 @@ class WeightDecay(Rule):
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
-    >>> state = optim.setup(optim.chain(optim.WeightDecay(0.5), optim.Descent(0.1)), x)
+    >>> rule = optim.chain(optim.WeightDecay(0.5), optim.Descent(0.1))
+    >>> state = optim.setup(rule, x)
     >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
     >>> x
     Array([0.9, 2. ], dtype=float32)
@@ -76,7 +77,8 @@ class SignDecay(Rule):
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
-    >>> state = optim.setup(optim.chain(optim.SignDecay(0.5), optim.Descent(0.1)), x)
+    >>> rule = optim.chain(optim.SignDecay(0.5), optim.Descent(0.1))
+    >>> state = optim.setup(rule, x)
     >>> state, x = optim.update(state, x, jnp.array([0.5, -1.0]))
     >>> x
     Array([0.9 , 2.05], dtype=float32)
