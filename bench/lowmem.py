@@ -234,26 +234,12 @@ def write(results: dict, out: Path, figure: Path | None = None) -> None:
         lines.append("")
     out.write_text("\n".join(lines))
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         return
-    fig, axes = plt.subplots(1, len(results["models"]), figsize=(6 * len(results["models"]), 4), squeeze=False)
-    for ax, (model, m) in zip(axes[0], results["models"].items()):
-        for name, r in m["runs"].items():
-            c = np.asarray(r["curve"])
-            k = max(len(c) // 30, 1)
-            smooth = np.convolve(c, np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(len(smooth)) + k, smooth, label=name, lw=1.2)
-        ax.set_title(model)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (running mean)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    figure = figure or out.with_suffix(".png")
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(figure, dpi=110)
+    from .figures import lowmem_loss   # the figure bench/figures.py draws again from bench/LOWMEM.json
+
+    lowmem_loss(figure or out.with_suffix(".png"), results)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_benchmarks_page_includes_the_results_file():
 # measured, when and on how loaded a machine, which test file checks a claim, the project's issue numbers) stays in
 # bench/*.md and CHANGELOG.md. docs/_ext/hooks.py scrubs what it includes from bench/; this reads the built site.
 SITE = ROOT / "build" / "site"   # where `make test` builds it (mkdocs build --strict --site-dir build/site)
-SITE_SOURCES = ("docs", "optim", "bench", "mkdocs.yml", "CHANGELOG.md", "examples")
+SITE_SOURCES = ("docs", "optim", "bench", "mkdocs.yml", "CHANGELOG.md", "examples", "notebooks")
 SITE_SUFFIXES = {".md", ".py", ".yml", ".css", ".png", ".svg", ".js", ".jinja"}
 NOT_USER_PAGES = {"changelog/index.html", "404.html"}   # the changelog keeps its commits and issue numbers
 _HASH = r"(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
