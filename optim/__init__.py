@@ -13,9 +13,11 @@
 from ._engine import fused as _fused  # noqa: F401  (registers the fused CPU kernel with the engine: optim._engine.strategies)
 from ._rules.adafactor import Adafactor
 from ._core.adjust import adjust, freeze, thaw
-from ._rules.average import EMA, averaged
+from ._core.average import averaged
+from ._rules.average import EMA
 from ._io.checkpoint import load, save
-from ._interop.optax import WholeTreeError, from_optax, to_optax, with_extra_args
+from ._interop.optax import WholeTreeError, from_optax, with_extra_args
+from ._interop.to_optax import to_optax
 from ._core.destructure import destructure, trainables
 from ._core.microbatch import microbatch
 from ._rules.layerwise import Lamb, Lars, Muon

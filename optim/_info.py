@@ -66,8 +66,7 @@ def print_info(file: IO[str] | None = None) -> None:
     """
     import jax
 
-    import optim
-
+    optim = sys.modules[__package__]     # the package this is part of, imported first (no import cycle)
     lines = [
         f"optim: {optim.__version__} ({os.path.dirname(optim.__file__)})",
         f"jax: {jax.__version__}",

@@ -20,7 +20,7 @@ import pytest
 
 import optim
 import optim._core.program as plans
-from optim._core.cache import LRU, memoize
+from optim._base.cache import LRU, memoize
 
 L = 6   # leaves; each nonempty subset is a `None` pattern (63 of them)
 
@@ -152,8 +152,8 @@ def test_every_module_cache_is_a_bounded_lru():
         "_core.program._PROGRAMS": 256, "_io.checkpoint_format._SIGNATURES": 1024,
         "_io.checkpoint_format._DTYPES": 64, "_io.checkpoint_format._DTYPE_NAMES": 64,
         "_interop.optax_checks._CHECKED": 1024, "_interop.optax._factory_class": 1024,
-        "_engine.stack._default_sharding": 1, "_io.state_dict._stacker": 256, "_rules.average._averager": 32,
-        "_core.tree._INEXACT": 64, "_engine.hoist._SPLITS": 1024, "_core.state._SHAPES": 4096,
+        "_engine.stack._default_sharding": 1, "_io.state_dict._stacker": 256, "_core.average._averager": 32,
+        "_base.tree._INEXACT": 64, "_engine.hoist._SPLITS": 1024, "_core.state._SHAPES": 4096,
         "_core.setup._WARNED_TRACED": 64, "_engine.group._READS": 256}
     # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
     src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.rglob("*.py") if p.name != "cache.py")

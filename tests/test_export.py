@@ -1,5 +1,5 @@
 """A train step that calls `optim.update`, lowered for another platform and exported with `jax.export`
-(`optim._engine.kernel_choice`: the CPU kernel only where it will run; `optim._core.export`: optim's pytree types
+(`optim._engine.kernel_choice`: the CPU kernel only where it will run; `optim._base.export`: optim's pytree types
 registered for export's serialization)."""
 
 import importlib.util

@@ -22,6 +22,7 @@ import pytest
 
 import optim
 from bench.program import entry_counts
+from optim._engine import backend as _backend
 from optim._engine import fused as _fused
 # The model (ties, single and multi-member stacks, a scalar) and gradients (None at a single stack, a row, half a
 # tie) of tests/test_pack.py, and its comparison to a few ulp of each array's scale.
@@ -353,7 +354,7 @@ def test_cpu_program_is_the_kernel_alone(monkeypatch):
     """The choice between the kernel and XLA's path is made at lowering (optim._engine.kernel_choice; the other
     platforms are tests/test_export.py): lowered for the CPU, the program has the kernel and no conditional,
     whatever other backends the process has, with the same numbers."""
-    monkeypatch.setattr(_fused, "_ONLY_CPU", False)
+    monkeypatch.setattr(_backend, "_ONLY_CPU", False)
     m = model()
     state = optim.setup(optim.Adam(0.1), m)
     f = jax.jit(lambda s, m, g: optim.update(s, m, g))

@@ -15,6 +15,7 @@ import optim
 from conftest import counted_update
 from optim._engine import fused as _fused
 from optim._engine import group as _group
+from optim._engine import stack as _stack
 
 BIG = (100, 100)      # 10000 elements: above optim._engine.stack.STACK_MAX_SIZE, alone unless grouped
 
@@ -161,7 +162,7 @@ def test_which_rules_are_grouped(rule, reads, monkeypatch):
 
 def test_groups_are_bounded_in_elements(monkeypatch):
     monkeypatch.setattr(_group, "MODE", "all")
-    monkeypatch.setattr(_group, "GROUP_MAX_ELEMENTS", 25_000)   # two of 10000 elements, not three
+    monkeypatch.setattr(_stack, "GROUP_MAX_ELEMENTS", 25_000)   # two of 10000 elements, not three
     state = optim.setup(optim.Adam(), _model())
     sizes = sorted(len(s) for s in state.layout.stacks if state.layout.params[s[0]].shape == BIG)
     assert sizes == [2, 2, 2]

@@ -449,7 +449,7 @@ def fresh_trace_warning(monkeypatch):
     """`setup` warns about possible ties under a trace once per model structure in a process: start from none."""
     import sys
 
-    from optim._core.cache import LRU
+    from optim._base.cache import LRU
     monkeypatch.setattr(sys.modules["optim._core.setup"], "_WARNED_TRACED", LRU(64), raising=False)
 
 

@@ -191,7 +191,7 @@ def test_ties_survive_jit_via_static_tie_map():
 def fresh_trace_warning(monkeypatch):
     """`setup` warns about possible ties under a trace once per model structure in a process: each test that
     checks the warning starts from none given."""
-    from optim._core.cache import LRU
+    from optim._base.cache import LRU
     monkeypatch.setattr(sys.modules["optim._core.setup"], "_WARNED_TRACED", LRU(64), raising=False)
 
 

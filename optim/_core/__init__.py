@@ -1,3 +1,3 @@
-"""The state model and the public verbs: `setup`, `update`, `adjust`, surgery, ties, dotted paths, the plan
-of an update and its cache.
+"""The state model and the public verbs: `setup`, `update`, `adjust`, surgery, ties, `averaged`, the plan of an
+update and its cache.
 """

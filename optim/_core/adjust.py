@@ -20,7 +20,7 @@ from .._rules.protocol import Rule, inner_fields, inner_rules, is_rule, looks_ac
 from .._rules.schedules import Schedule
 from .._rules.hyper import canonical_numbers
 from .state import Layout, PathError, State, unwrap, with_frozen
-from .tree import replace_fields, show, suggest_pattern
+from .._base.tree import replace_fields, show, suggest_pattern
 
 def adjust(state: Any, *args: Any, **hyper: Any) -> Any:
     """Return `state` (or a rule) with hyperparameters replaced wherever a rule has them.
@@ -170,7 +170,7 @@ def _adjust_paths(state: State, patterns: tuple, hyper: dict) -> State:
     if len(rules) == len(state.rules):
         return state.replace(layout=lay, rules=rules)
     params = tuple(p if p.rule == r else dataclasses.replace(p, rule=r) for p, r in zip(lay.params, rule_of))
-    layout = Layout(lay.treedef, params, lay.frozen, wide_rules(rules))
+    layout = Layout(lay.treedef, params, lay.frozen, wide_rules(tuple(unwrap(r) for r in rules)))
     if "paths" in lay.__dict__:
         layout.__dict__["paths"] = lay.paths
     return state.regroup(layout, rules)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .state import State
 from .ties import identity_groups
-from .tree import PyTree, flatten, is_trainable
+from .._base.tree import PyTree, flatten, is_trainable
 from .program import flatten_like
 
 

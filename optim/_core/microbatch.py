@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .tree import describe, flatten, show
+from .._base.tree import describe, flatten, show
 
 __all__ = ["microbatch"]
 

@@ -17,9 +17,9 @@ import jax
 
 from .._engine import strategies as strategies
 from .._engine import xla as xla
-from .cache import LRU
+from .._base.cache import LRU
 from .state import Layout, State
-from .tree import PyTree, describe, dotted, flatten, show, structure_diff
+from .._base.tree import PyTree, describe, dotted, flatten, show, structure_diff
 
 
 def take(seq, idx: tuple[int, ...]) -> tuple:

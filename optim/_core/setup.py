@@ -13,10 +13,10 @@ from .._engine.strategies import wide_rules
 from .._rules.hyper import canonical_numbers
 from .._engine.stack import init_stack, placement
 from .._rules.protocol import is_rule
-from .cache import LRU
+from .._base.cache import LRU
 from .state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
 from .ties import tie_groups, tie_positions
-from .tree import (PyTree, canonical_dtype, describe, is_trainable, match_positions, show, suggest_pattern,
+from .._base.tree import (PyTree, canonical_dtype, describe, is_trainable, match_positions, show, suggest_pattern,
                     unique_index)
 
 
@@ -218,7 +218,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     params = tuple(Param(c, members, tuple(leaves[c].shape), canonical_dtype(leaves[c].dtype), rule_of[c],
                          transforms.get(c, ()), placement(leaves[c]), shardings.get(c))
                    for c, members in groups.items())
-    layout = Layout(treedef, params, (False,) * len(params), wide_rules(rules))
+    layout = Layout(treedef, params, (False,) * len(params), wide_rules(tuple(unwrap(r) for r in rules)))
     if paths.computed is not None:
         layout.__dict__["paths"] = paths.computed
     mesh_scalar = _replicated(params, traced)

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import LRU
-from .export import register_for_export
+from .._base.cache import LRU
+from .._base.export import register_for_export
 from .._engine.pack import fill, pack
 from .._engine.stack import make_stacks, place_stack, row_index, stack_states
-from .tree import describe, flatten, match_positions, show, suggest, unique_index
+from .._base.tree import describe, flatten, match_positions, show, suggest, unique_index
 
 
 class TiedCopy(NamedTuple):
@@ -156,7 +156,7 @@ class Layout:
         return u
 
     def match(self, pattern: str) -> list[int]:
-        """Parameters with a member that `pattern` selects (`optim._core.tree.match_positions`: the exact path, else
+        """Parameters with a member that `pattern` selects (`optim._base.tree.match_positions`: the exact path, else
         a dotted-path prefix, else an fnmatch pattern)."""
         trainable = [i for i, u in enumerate(self.param_of) if u >= 0]
         hits = {self.param_of[i] for i in match_positions(self.paths, pattern, trainable)}

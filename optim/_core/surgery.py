@@ -17,7 +17,7 @@ from .adjust import select
 from .program import flatten_like
 from .._engine.stack import init_stack, reads_nothing
 from .state import Layout, PathError, State, unwrap
-from .tree import PyTree, key_name, show
+from .._base.tree import PyTree, key_name, show
 
 
 def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from .tree import describe, show, suggest, unique_index
+from .._base.tree import describe, show, suggest, unique_index
 
 
 def tie_groups(paths: Any, leaves: list[Any], trainable: list[bool],

@@ -36,7 +36,7 @@ from .program import Program, plan, take
 from .._rules.schedules import resolve
 from .._engine.stack import constrain, stack_arrays
 from .state import Layout, State, unwrap
-from .tree import PyTree, describe, show
+from .._base.tree import PyTree, describe, show
 from .._rules.wrappers import joint_norm
 
 

@@ -57,6 +57,7 @@ from .stack import KERNEL_FLOATS, row_index, traced_sharded
 from .._rules.average import EMA
 from .._rules.protocol import Gated, apply_all, formula_of
 from .._rules.transforms import Scale
+from .backend import only_cpu
 from .strategies import Strategy, register
 from .._rules.wrappers import (OptimiserChain, SkipLargeUpdates, SkipLargeUpdatesState, SkipNonFinite,
                                SkipNonFiniteState, joint_norm)
@@ -71,21 +72,6 @@ AVAILABLE, WHY = fused_load.load()
 _log.debug("%s%s", WHY, "" if AVAILABLE else "; update runs the pure-JAX path")
 
 
-def only_cpu() -> bool:
-    """Whether this process has no backend but the CPU (then the kernel is used without a platform switch)."""
-    global _ONLY_CPU
-    if _ONLY_CPU is None:
-        _ONLY_CPU = jax.default_backend() == "cpu" and {d.platform for d in jax.devices()} == {"cpu"}
-        for other in ("gpu", "tpu"):
-            try:
-                jax.devices(other)
-                _ONLY_CPU = False
-            except RuntimeError:
-                pass
-    return _ONLY_CPU
-
-
-_ONLY_CPU: bool | None = None
 
 
 # The wrappers that gate the whole step on a flag computed across the parameters, and their states' types.

@@ -16,8 +16,8 @@ platform-dependent skip. That arithmetic is computed per member, in the member's
 multi-output kernel instead of writing it into its donated buffer (`bench/NOTES.md`). A rule whose new state
 reads the parameter otherwise (a norm, a reshape: `OPAQUE_READ`) or is read by its step (Adam's moments after
 `WeightDecay`), or that reads it inside a conditional of its own, keeps one parameter a stack. Groups hold at
-most `GROUP_MAX_ELEMENTS` elements (and `STACK_MAX_MEMBERS` parameters), which bounds what XLA may materialise
-for one.
+most `GROUP_MAX_ELEMENTS` elements and `STACK_MAX_MEMBERS` parameters (`optim._engine.stack`), which bounds what
+XLA may materialise for one.
 
 `OPTIM_GROUP` (read at import; `MODE` can also be set) says where: unset or `1`, in a process with a GPU or TPU
 backend (the CPU has optim's fused kernel, which stacks its own rules, `optim._engine.fused`); `0`, nowhere;
@@ -34,14 +34,13 @@ import jax.numpy as jnp
 
 from jax.extend.core import Literal
 
-from .._core.cache import LRU
+from .._base.cache import LRU
+from .backend import only_cpu
 from .members import CALLS, ELEMENTWISE, needed
 
-__all__ = ["MODE", "GROUP_MAX_ELEMENTS", "enabled", "groups", "reads_parameter"]
+__all__ = ["MODE", "enabled", "groups", "reads_parameter"]
 
 MODE = os.environ.get("OPTIM_GROUP", "1").strip().lower()
-# 16M elements (64 MB of float32) a group: a GPT-2 layer's matrices, or 100 of 400x400, are one group.
-GROUP_MAX_ELEMENTS = 1 << 24
 _READS: LRU = LRU(256)
 
 
@@ -51,8 +50,6 @@ def enabled() -> bool:
         return False
     if MODE == "all":
         return True
-    from .fused import only_cpu     # noqa: PLC0415 (the backend question is asked once, where the kernel asks it)
-
     return not only_cpu()
 
 

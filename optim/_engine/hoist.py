@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._core.cache import LRU
+from .._base.cache import LRU
 from .pack import SMALL, fill, is_packed, split_rows
 from .stack import row_index, take_rows, traced_sharded
 from .._rules.protocol import apply_all, looks_across

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 
 __all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
            "replace_groups"]

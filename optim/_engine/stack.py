@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal, jaxprs_in_params
 
-from .._core.cache import memoize
-from .._core.tree import canonical_dtype, show
+from .._base.cache import memoize
+from .._base.tree import canonical_dtype, show
 from .._rules.quantized import QuantizedArray
 
 
@@ -34,6 +34,8 @@ ANY = "any"
 # In `make_stacks`' `wide`: `(GROUPED, r)` marks rule `r` as one whose large parameters XLA's path groups
 # (`optim._engine.group`): stacked like the kernel's, at most `GROUP_MAX_ELEMENTS` elements a stack.
 GROUPED = "grouped"
+# A group's elements at most: 16M (64 MB of float32): a GPT-2 layer's matrices, or 100 of 400x400, are one group.
+GROUP_MAX_ELEMENTS = 1 << 24
 # The dtypes of parameters and state arrays that optim's fused CPU kernel reads (optim/_engine/fused.cc).
 KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -47,8 +49,6 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack), and the rules `r` given as
     `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`). Deterministic, in
     parameter order."""
-    from .group import GROUP_MAX_ELEMENTS    # noqa: PLC0415 (read at each call: a test may change it)
-
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):

@@ -64,19 +64,18 @@ def key() -> tuple[bool, ...]:
 
 
 def wide_rules(rules: tuple) -> frozenset:
-    """The rules (indices into `rules`, which may be wrapped as `setup` stores them) that an enabled strategy
+    """The rules (indices into `rules`, unwrapped: `optim._core.state.unwrap`) that an enabled strategy
     keeps stacked when their parameters are large (`optim._engine.stack.make_stacks`), as `(ANY, index)` the
     rules that ask for it themselves (`Rule._stack_large`: stacked whatever their dtype and placement), and as
     `(GROUPED, index)` the rules that XLA's path groups (`optim._engine.group`)."""
-    from .._core.state import unwrap
     from .._rules.protocol import stacks_large
     from . import group
     from .stack import ANY, GROUPED
 
-    kernel = frozenset(r for r, rule in enumerate(rules) if any(s.enabled() and s.wide(unwrap(rule))
+    kernel = frozenset(r for r, rule in enumerate(rules) if any(s.enabled() and s.wide(rule)
                                                                   for s in _REGISTERED))
-    return kernel | frozenset((ANY, r) for r, rule in enumerate(rules) if stacks_large(unwrap(rule))) | frozenset(
-        (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(unwrap(rule)))
+    return kernel | frozenset((ANY, r) for r, rule in enumerate(rules) if stacks_large(rule)) | frozenset(
+        (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule))
 
 
 def choose(rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> Strategy | None:

@@ -23,7 +23,7 @@ optax on `optim.destructure(model)`'s flat vector, which holds each tied array o
 `optax.clip(1.0)`) would climb the loss. Such a transformation is refused unless declared with
 `gradient_like=True`, which makes the step `+updates`: a stage of an optim chain.
 
-`to_optax(rule)`, the other way, is in `optim/_interop/to_optax.py` (imported here).
+`to_optax(rule)`, the other way, is in `optim/_interop/to_optax.py`.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.cache import memoize
+from .._base.cache import memoize
 from .optax_checks import WholeTreeError, check, is_transformation, label, normalise, transformation_name
 from .._rules.protocol import Rule
 from .._rules.schedules import Schedule
 from .._core.state import State
-from .._core.tree import fmt_value, replace_fields
+from .._base.tree import fmt_value, replace_fields
 
-__all__ = ["from_optax", "to_optax", "with_extra_args", "FromOptax", "WholeTreeError"]
+__all__ = ["from_optax", "with_extra_args", "FromOptax", "WholeTreeError"]
 
 
 class FromOptax(Rule):
@@ -271,7 +271,3 @@ def with_extra_args(state: State, **extra_args: Any) -> State:
 
     return state.replace(rules=_map_from_optax(state.rules, put))
 
-
-# ------------------------------------------------------------------------------------------ to_optax
-# `to_optax` lives in its own module, which uses the helpers above; imported here, where `optim` finds it.
-from .to_optax import to_optax  # noqa: E402

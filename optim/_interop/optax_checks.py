@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.cache import LRU
+from .._base.cache import LRU
 from .optax_probe import cross_leaf, update_orientation
 
 __all__ = ["WholeTreeError", "optax_module", "normalise", "is_transformation", "transformation_name", "label",

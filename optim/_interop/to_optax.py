@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.cache import LRU
+from .._base.cache import LRU
 from .optax import _from_optax_rules, with_extra_args
 from .optax_checks import optax_module
 from .._core.setup import _canonical_hyper, by_path, setup
 from .._core.state import State
 from .._rules.protocol import is_rule
-from .._core.tree import PyTree, canonical_dtype, is_trainable, show
+from .._base.tree import PyTree, canonical_dtype, is_trainable, show
 from .._core.update import update
 
 __all__ = ["to_optax"]

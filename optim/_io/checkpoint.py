@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from .checkpoint_format import (FORMAT, VERSION, Malformed, Writer, check_description, open_checkpoint, read_arrays,
                                  signature, write_atomic)
 from .._core.state import State, func_name
-from .._core.tree import PyTree, flatten, show, structure_diff
+from .._base.tree import PyTree, flatten, show, structure_diff
 from .load_plan import NO_MODEL, Mismatch, Plan, rule_repr
 
 __all__ = ["save", "load"]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.cache import LRU
+from .._base.cache import LRU
 
 FORMAT = "optim-checkpoint"
 # 1: no typed PRNG keys; 2: entries may carry "key"; 3: the Adam family's `bt` holds the products of the β's of the

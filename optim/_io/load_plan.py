@@ -19,7 +19,7 @@ from .checkpoint_format import (ARRAYS, Malformed, clean, dtype_name, dtype_name
                                  same_rule_structure, same_state_structure, signature)
 from .._core.state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
 from .._rules.moments import powers_from_next
-from .._core.tree import show, structure_diff
+from .._base.tree import show, structure_diff
 
 __all__ = ["Plan", "Mismatch", "NO_MODEL", "rule_repr", "destination"]
 

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.cache import memoize
+from .._base.cache import memoize
 from .._engine.stack import stack_states
 from .._core.state import State, member_ndims, unwrap
-from .._core.tree import describe, show, structure_diff, suggest
+from .._base.tree import describe, show, structure_diff, suggest
 
 __all__ = ["state_dict", "load_state_dict"]
 

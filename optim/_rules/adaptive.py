@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
 from .quantized import QuantizedArray
 from .schedules import Hyper

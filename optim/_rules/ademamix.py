@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from .protocol import Rule, as_compute, eps_of
 from .schedules import Hyper

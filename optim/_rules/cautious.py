@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from .._core.tree import replace_fields
+from .._base.tree import replace_fields
 from .ademamix import AdEMAMix
 from .adafactor import Adafactor
 from .adam import AdamW

@@ -40,9 +40,8 @@ RANGES = {
 
 
 def is_schedule(v: Any) -> bool:
-    from .schedules import Schedule   # _schedules imports this module
-
-    return isinstance(v, Schedule)
+    """An optim schedule (`optim._rules.schedules.Schedule` marks its classes: that module imports this one)."""
+    return getattr(type(v), "_optim_schedule", False)
 
 
 def is_concrete(v: Any) -> bool:

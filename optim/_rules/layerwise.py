@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hyper as _hyper
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes, store
 from .adam import AdamState
 from .schedules import Hyper

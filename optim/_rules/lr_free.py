@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from . import hyper as _hyper
 from .protocol import Rule, abs2, apply_one, compute_dtype
 from .schedules import Hyper

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hyper as _hyper
-from .._core.tree import register_struct, struct_repr
+from .._base.tree import register_struct, struct_repr
 
 __all__ = ["Rule", "Gated", "Replace", "apply_step", "apply_all", "apply_one", "step_row", "average_of",
            "sum_squares", "gate_state", "skip_unless"]

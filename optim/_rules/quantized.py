@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 
 __all__ = ["Quantized", "QuantizedArray", "q8", "q4", "quantize", "MANTISSA"]
 

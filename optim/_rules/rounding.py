@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .protocol import Replace, Rule, apply_all, apply_one, apply_step, average_of, is_rule
 from .wrappers import MixedPrecision
 

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .hyper import is_concrete, is_schedule
 from .schedules import Hyper
 from .protocol import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_compute

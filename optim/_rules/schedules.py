@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from . import hyper as _hyper
-from .._core.tree import register_struct, struct_repr
+from .._base.tree import register_struct, struct_repr
 
 __all__ = ["Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt",
            "Exponential", "Polynomial", "resolve"]
@@ -32,6 +32,8 @@ class Schedule:
     against the hyperparameter's range, as they check a number: `Adam(Linear(0.1, -0.1, 10))` is a `ValueError`.
     A schedule of your own may define it too; without it, it is not checked.
     """
+
+    _optim_schedule = True     # what `optim._rules.hyper.is_schedule` looks for
 
     _static: tuple[str, ...] = ()
     _values: tuple[str, ...] = ()      # numbers, or tuples of numbers: finite, stored as floats

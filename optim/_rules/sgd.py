@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, pair_of, as_compute, where

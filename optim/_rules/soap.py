@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from . import hyper as _hyper
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .protocol import Rule, apply_one, as_compute, compute_dtype, eps_of, pair_of, where_leading
 from .schedules import Hyper
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core.export import register_for_export
+from .._base.export import register_for_export
 from .average import refuse_ema_in_chain
 from .schedules import Hyper
 from .protocol import (Gated, Replace, Rule, compute_dtype, apply_all, apply_one, apply_step, average_of,

@@ -127,7 +127,7 @@ def structure_diff(expected: list[str], got: list[str], missing: str = "missing"
 
 def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
     """Make `cls` a frozen dataclass and a pytree whose leaves are its non-`static` fields (registered for
-    `jax.export` too: `optim._core.export`).
+    `jax.export` too: `optim._base.export`).
 
     JAX rebuilds such objects with tracers or placeholders as leaves, so unflattening bypasses `__init__`
     (and its validation).
