@@ -624,3 +624,24 @@ def test_adam_with_a_beta_schedule_matches_the_float64_reference(kernel, monkeyp
         state, y = optim.update(state, y, jnp.asarray(g, jnp.float32))
     b1 = [0.5 + 0.4 * min(t, 4) / 4 for t in range(5)]
     np.testing.assert_allclose(np.asarray(y), _adam_reference([(b, 0.99) for b in b1], grads, x), rtol=2e-6)
+
+
+def test_pair_of_refuses_what_is_not_a_pair():
+    """A rule author's `pair_of((a, b, c), x)` once returned `(a, b)` silently."""
+    from optim._rules.protocol import pair_of, tuple_of
+
+    x = jnp.ones(2)
+    with pytest.raises(ValueError, match="expected a pair of numbers, got 3.*tuple_of"):
+        pair_of((0.9, 0.99, 0.999), x)
+    assert [float(b) for b in tuple_of((0.5, 0.25, 0.125), x)] == [0.5, 0.25, 0.125]
+
+
+def test_bias_correction_helpers_take_any_number_of_decay_rates():
+    """`bt_init`, `bt_next` and `debias` with three rates (an Adan-like rule; docs/development.md writes one):
+    after two steps each product is β², each factor 1 / (1 - β²)."""
+    from optim._rules.moments import bt_init, bt_next, debias
+
+    beta, x = (0.5, 0.75, 0.875), jnp.ones(3)
+    bt = bt_next(bt_next(bt_init(beta, x), beta, x), beta, x)
+    np.testing.assert_allclose(np.asarray(bt), [0.25, 0.5625, 0.765625])
+    np.testing.assert_allclose([float(c) for c in debias(bt)], [1 / 0.75, 1 / 0.4375, 1 / 0.234375], rtol=1e-6)

@@ -37,6 +37,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -84,7 +85,11 @@ def following_outputs(text: str) -> dict[int, str | None]:
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_page_code_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    scope: dict = {"__name__": f"docs.{page.stem}"}
+    # The page's namespace is a module, as a session's __main__ is: a class defined on a page (a dataclass, a
+    # rule) looks its module up in sys.modules.
+    module = types.ModuleType(f"docs.{page.stem}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    scope: dict = module.__dict__
     text = page.read_text()
     expected = following_outputs(text)
     for line, lang, code, marked in blocks(text):

@@ -119,19 +119,20 @@ def moments(beta, m, v, dx, x):
 
 
 def bt_init(beta, x):
-    """The products (∏β₁, ∏β₂) of the decay rates of the steps taken so far, (1, 1) before the first, as one
-    array: one buffer and one kernel per parameter, not two. Each step multiplies in its own β first
-    (`bt_next`), so that a step's bias correction is `1 - ∏β`, the weight its moment's average has put on
-    gradients so far: `1 - βᵗ` for a constant β, and still exact where β changes (a schedule, or `adjust`)."""
+    """The products (∏β₁, ∏β₂, ...) of the decay rates of the steps taken so far, 1 each before the first, as
+    one array (as many as `beta` has): one buffer and one kernel per parameter, not one per rate. Each step
+    multiplies in its own β first (`bt_next`), so that a step's bias correction is `1 - ∏β`, the weight its
+    moment's average has put on gradients so far: `1 - βᵗ` for a constant β, and still exact where β changes
+    (a schedule, or `adjust`)."""
     return jnp.ones((len(beta),), compute_dtype(x))
 
 
 def debias(bt):
-    """The bias corrections as factors, `(1 / (1 - bt₁), 1 / (1 - bt₂))`. Rules multiply by them rather than
-    divide: XLA rewrites a division by a broadcast number into this multiplication anyway, and written so the
-    factors are per-parameter numbers that `update` computes for a whole pack of parameters at once
-    (`optim._engine.hoist`), not one tiny kernel each."""
-    return 1 / (1 - bt[0]), 1 / (1 - bt[1])
+    """The bias corrections as factors, `(1 / (1 - bt₁), 1 / (1 - bt₂), ...)`, one per decay rate. Rules
+    multiply by them rather than divide: XLA rewrites a division by a broadcast number into this
+    multiplication anyway, and written so the factors are per-parameter numbers that `update` computes for a
+    whole pack of parameters at once (`optim._engine.hoist`), not one tiny kernel each."""
+    return tuple(1 / (1 - bt[k]) for k in range(len(bt)))
 
 
 def bt_next(bt, beta, x):

@@ -262,7 +262,11 @@ def tuple_of(values: Any, x: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def pair_of(pair: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A pair hyperparameter (`beta`, Rprop's `ell` and `gamma`) as two arrays in the compute dtype of `x`."""
+    """A pair hyperparameter (`beta`, Rprop's `ell` and `gamma`) as two arrays in the compute dtype of `x`; a
+    tuple of another length is refused (a rule with three decay rates takes them with `tuple_of`)."""
+    if len(pair) != 2:
+        raise ValueError(f"pair_of: expected a pair of numbers, got {len(pair)}: {pair!r}; a rule with "
+                         f"{len(pair)} of them reads them with tuple_of")
     return as_compute(pair[0], x), as_compute(pair[1], x)
 
 
