@@ -10,8 +10,16 @@ parameter out instead of writing it in place (compiled for an H100: AdamW on 100
 `evaluate(fn, stacked, members)` traces `fn(stacked)` (the rule's step on its stacks) and replays it with every
 elementwise equation that depends on a grouped stack's parameters computed once per member: the member's own
 array, the other operands' row of it (a slice of a stacked state, which XLA reads in place). It is the same
-arithmetic on the same values, rearranged. Where a new state depends on a parameter, or nothing in a step does,
-`fn`'s program is kept as it is.
+arithmetic on the same values, rearranged. Two exceptions keep XLA writing in place:
+
+- an elementwise equation that only a new state needs and that reads a stacked array no step needs (EMA's
+  `δ a + (1 - δ) x_new`, with `a` its stacked average) is computed on the stack, reading the members' values
+  through their concatenation: the new state is then written elementwise over its own donated buffer, and the
+  members' new values are read from the buffers just written;
+- a conditional on the platform (`jax.lax.platform_dependent`, `SkipNonFinite`'s skip) is replayed branch by
+  branch, so that a step inside it is still computed per member.
+
+Where nothing depends on a parameter, `fn`'s program is kept as it is.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ CALLS = ("pjit", "jit", "closed_call", "core_call")
 def evaluate(fn: Callable[[list], Any], stacked: list, members: list) -> tuple:
     """`fn(stacked)`, with the elementwise arithmetic on `stacked[k]` done per member where `members[k]` is not
     None (`stacked[k]` stacks the arrays `members[k]`). `fn` returns `(per stack (new state, step), new pack
-    rows)`, as `optim._engine.hoist.step_stacks`; only the steps may depend on the parameters. Returns `fn`'s
+    rows)`, as `optim._engine.hoist.step_stacks`. Returns `fn`'s
     result and, per stack, its members' steps (a list, member `m`'s step `step_row(step, m)` computed from
     parameter `m` alone), or None where the step is `fn`'s."""
     idx = [k for k, m in enumerate(members) if m is not None]
