@@ -97,4 +97,4 @@ def test_every_figure_bench_draws_is_shown_and_the_gpu_chart_waits_for_gpu_resul
     assert sorted(set(FIGURES) - shown) == []
     if not figures.GPU_RESULTS.exists():
         assert "bench-gpu-ratios.png" not in FIGURES
-        assert "no GPU numbers are measured yet" in (DOCS / "benchmarks.md").read_text()
+        assert "no GPU times are measured yet" in (DOCS / "benchmarks.md").read_text()
