@@ -141,8 +141,9 @@ def candidates(n: int, shape: tuple, torch: bool) -> dict:
     """name -> candidate, each with its own copy of the parameters; the gradients are shared."""
     import jax
     import jax.numpy as jnp
-    import optax
     import optim
+
+    from .kernels import optax_step, optim_step
 
     keys = jax.random.split(jax.random.key(0), n)
     base = {f"w{i:04d}": jax.random.normal(k, shape, jnp.float32) for i, k in enumerate(keys)}
@@ -150,15 +151,6 @@ def candidates(n: int, shape: tuple, torch: bool) -> dict:
 
     def fresh():
         return jax.tree.map(jnp.copy, base)
-
-    def optim_step(state, params, g):
-        return optim.update(state, params, g)
-
-    def optax_step(tx):
-        def step(state, params, g):
-            updates, state = tx.update(g, state, params)
-            return state, optax.apply_updates(params, updates)
-        return step
 
     out = {}
     for name, (rule, tx) in rules().items():

@@ -226,13 +226,19 @@ def test_grouped_step_writes_the_parameters_in_place(rule, monkeypatch):
     buffers. (XLA:GPU copied every new parameter of a grouped AdamW until its step was computed per member,
     optim._engine.members; that is checked on the deviceless GPU compile, tests/test_gpu_kernels.py.)"""
     monkeypatch.setattr(_group, "MODE", "all")
-    model = {f"w{i}": jnp.ones(BIG) for i in range(6)}
+    stacks, entry = _donated_step(rule, 6)
+    assert stacks == 1
+    assert not re.findall(r"f32\[100,100\]\{[0-9,]*\} copy\(", entry), entry
+
+
+def _donated_step(rule, n: int) -> tuple[int, str]:
+    """The number of stacks of `rule` on `n` parameters of shape BIG, and the ENTRY computation of its donated
+    jitted step compiled for XLA:CPU."""
+    model = {f"w{i}": jnp.ones(BIG) for i in range(n)}
     state = optim.setup(rule, model)
-    assert len(state.layout.stacks) == 1
     text = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1)).lower(
         state, model, model).compile().as_text()
-    entry = text[text.index("ENTRY"):]
-    assert not re.findall(r"f32\[100,100\]\{[0-9,]*\} copy\(", entry), entry
+    return len(state.layout.stacks), text[text.index("ENTRY"):]
 
 
 
@@ -280,10 +286,6 @@ def test_a_lone_large_parameter_is_written_in_place(rule, monkeypatch):
     read through its stack of one (a reshape) where its step reads it, and XLA:CPU copied each new parameter
     out of the kernel that computes it; that arithmetic is now computed on the parameter's own array."""
     monkeypatch.setattr(_group, "MODE", "0")
-    model = {f"w{i}": jnp.ones(BIG) for i in range(3)}
-    state = optim.setup(rule, model)
-    assert len(state.layout.stacks) == 3
-    text = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1)).lower(
-        state, model, model).compile().as_text()
-    entry = text[text.index("ENTRY"):]
+    stacks, entry = _donated_step(rule, 3)
+    assert stacks == 3
     assert not re.findall(r"f32\[(?:1,)?100,100\]\{[0-9,]*\} copy\(", entry), entry
