@@ -10,7 +10,6 @@
 (Array([0.8, 1.8], dtype=float32), True)
 """
 
-from ._engine import fused as _fused  # noqa: F401  (registers the fused CPU kernel with the engine: optim._engine.strategies)
 from ._rules.adafactor import Adafactor
 from ._core.adjust import adjust, freeze, thaw
 from ._core.average import averaged

@@ -9,13 +9,33 @@ import numpy as np
 import pytest
 
 import optim
-from optim._engine import fused as _fused, strategies as _strategies
+from optim._core import program as _program
+from optim._engine import fused as _fused, hoist as _hoist, strategies as _strategies, xla as _xla
 from tests.test_pack import assert_ulp, grads_at, model
 
 
-def test_the_kernel_is_the_registered_strategy():
-    assert _fused.KERNEL in _strategies.registered()
-    assert _strategies.key() == (True,)
+def test_the_kernel_is_registered_and_xla_is_the_fallback():
+    assert _strategies.registered() == (_fused.KERNEL, _xla.XLA)
+    assert (_fused, "ENABLED") in _strategies.SWITCHES and (_hoist, "ENABLED") in _strategies.SWITCHES
+    assert _strategies.key() == (True, True)
+
+
+def test_the_switches_key_the_program_cache(monkeypatch):
+    """A program compiled with the kernel on is not reused with it off (the key reads the switches inline)."""
+    m = {**model(), "only_here": jnp.ones(11)}
+    state = optim.setup(optim.Adam(0.01), m)
+    optim.update(state, m, grads_at(0, m))
+    n = len(_program._PROGRAMS)
+    monkeypatch.setattr(_fused, "ENABLED", False)
+    optim.update(state, m, grads_at(0, m))
+    assert len(_program._PROGRAMS) == n + 1
+
+
+def test_a_request_names_its_fields():
+    """The engine's one interface: `run(Request) -> Result`, named fields (what a new strategy implements)."""
+    assert _strategies.Request._fields == ("layout", "rule", "stacks", "rows", "members", "stored", "packs",
+                                           "params", "grads", "parts", "mirrors", "in_place")
+    assert _strategies.Result._fields == ("stored", "params", "packs", "mirrors")
 
 
 def test_kernel_runs_rules_by_their_declared_formula_not_their_class():
@@ -48,7 +68,7 @@ def test_a_rule_the_kernel_does_not_run_is_logged(rule, reason, caplog):
 
 def test_turned_off_kernel_is_logged_and_xla_runs(monkeypatch, caplog):
     monkeypatch.setattr(_fused, "ENABLED", False)
-    assert _strategies.key() == (False,)
+    assert _strategies.key()[_strategies.SWITCHES.index((_fused, "ENABLED"))] is False
     m = {**model(), "only_here": jnp.ones(7)}       # a structure no other test compiled (the log is per compile)
     state = optim.setup(optim.Adam(0.01), m)
     with caplog.at_level(logging.DEBUG, logger="optim"):

@@ -15,8 +15,7 @@ from typing import Any
 
 import jax
 
-from .._engine import strategies as strategies
-from .._engine import xla as xla
+from .._engine.strategies import SWITCHES
 from .._base.cache import LRU
 from .state import Layout, State
 from .._base.tree import PyTree, describe, dotted, flatten, show, structure_diff
@@ -50,6 +49,9 @@ class Program:
     # per such stack: (its rows that step, their indices into `graded`, into `stepping`)
     stack_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
     stack_src: tuple[int, ...]            # per stack: index into new_stacks + old stacks
+    # per rule with stepping stacks: (the rule's index, its stepping stacks' indices into `step_stacks`, their
+    # members' indices into `layout.params`), what `_core` asks the engine for that rule
+    by_rule: tuple[tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]], ...]
     # its jitted callables (see `optim._core.update._jitted`), made on first use: [core, core donating, sums]
     jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
@@ -67,7 +69,8 @@ def plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool 
     lay = state.layout
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
-    key = (lay, *xla.key(), *strategies.key(), *(d for _, d in flat))
+    # The engine's switches (optim._engine.strategies.SWITCHES), read inline: a later call enters no engine module.
+    key = (lay, *(getattr(o, a) for o, a in SWITCHES), *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = _make(lay, trees, who)
@@ -163,6 +166,11 @@ def _make(lay: Layout, trees: tuple, who: str) -> Program:
         for c, k in enumerate(mirror_pos[a]):
             out_traced[check[k]] = extra + c
         extra += len(mirror_pos[a])
+    rule_of: dict[int, list[int]] = {}
+    for j, g in enumerate(step_stacks):
+        rule_of.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
+    by_rule = tuple((r, tuple(js), tuple(tuple(stepping[a] for a in plan[j][2]) for j in js))
+                    for r, js in rule_of.items())
     return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
                    tuple(taken), tuple(paths), tuple(slots), tuple(out_src), tuple(mirror_pos), tuple(out_traced),
-                   tuple(step_stacks), tuple(plan), tuple(stack_src))
+                   tuple(step_stacks), tuple(plan), tuple(stack_src), by_rule)

@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import stats as stats
-from .._engine import strategies as strategies
-from .._engine import xla as xla
-from .._engine.pack import assemble, replace_groups
+from .._engine import strategies as engine
+from .._engine.pack import assemble
 from .program import Program, plan, take
 from .._rules.schedules import resolve
 from .._engine.stack import constrain, stack_arrays
@@ -114,8 +113,9 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
             _check_donation(prog, leaves, gs)
         raise
     new_leaves = take(new_params + tuple(leaves), prog.out_src_traced if traced else prog.out_src)
-    out = (State(state.layout, state.rules, take(new_stacks + state.stored, prog.stack_src), step,
-                 replace_groups(state.packs, new_packs)),
+    # The pack groups the step wrote replace the old ones (the packs are not donated; see `_jitted`).
+    packs = tuple(new_packs.get(k, group) for k, group in enumerate(state.packs))
+    out = (State(state.layout, state.rules, take(new_stacks + state.stored, prog.stack_src), step, packs),
            treedef.unflatten(new_leaves))
     if return_grads:
         out += (_grad_tree(prog, summed, treedef),)
@@ -278,71 +278,81 @@ def _tie_sums(prog: Program, xs: tuple, grads: tuple) -> tuple[list[tuple], list
     return summed, parts
 
 
-def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stored: tuple, packs: tuple,
           params: tuple, checks: tuple, grads: tuple, step: Any):
-    lay = prog.layout
-    for i, x in zip(prog.check_pos, checks):
-        _check_param(x, lay, i)
-    for u, x in zip(prog.graded, params):
-        _check_param(x, lay, lay.params[u].canonical)
+    """The traced step, as Optimisers.jl's `update!(Tied)`: check the arrays, sum each tie's gradients, step each
+    rule's stacks (the engine, `optim._engine.strategies.run`), write the new values back."""
+    want_grads, want_stats, in_place, traced = wants
+    _check(prog, params, checks)
     summed, parts = _tie_sums(prog, params, grads)
     for a, u in enumerate(prog.graded):
         # A requested state sharding (setup's state_sharding=): the summed gradients are pinned to the parameter's
         # own sharding (replicated, for ZeRO-1), so that the sharded state does not propagate back into the
         # caller's forward and backward passes (with Auto mesh axes XLA would otherwise repartition them).
-        if lay.params[u].state_place is not None:
-            summed[a] = tuple(constrain(g, lay.params[u].place) for g in summed[a])
+        if prog.layout.params[u].state_place is not None:
+            summed[a] = tuple(constrain(g, prog.layout.params[u].place) for g in summed[a])
     rules = resolve(tuple(unwrap(r) for r in rules), step)
-    by_rule: dict[int, list[int]] = {}
-    for j, g in enumerate(prog.step_stacks):
-        by_rule.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
-    new_stacks: list = [None] * len(prog.step_stacks)
-    new_params: list = [None] * len(prog.stepping)
-    want_grads, want_stats, in_place, traced = wants
     # Traced, a tied parameter's other positions are outputs of the caller's program too: per stepping
     # parameter, the arrays at those positions (see `optim._engine.xla.mirrors`), else nothing.
     mirrors = [tuple(checks[k] for k in ks) if traced else () for ks in prog.mirror_pos]
+    steps = []
+    for r, js, members in prog.by_rule:
+        plans = [prog.stack_plan[j] for j in js]
+        request = engine.Request(
+            prog.layout, rules[r], tuple(prog.step_stacks[j] for j in js), tuple(p[0] for p in plans), members,
+            tuple(stored[j] for j in js), packs,
+            params=tuple(tuple(params[a] for a in p[1]) for p in plans),
+            grads=tuple(tuple(summed[a] for a in p[1]) for p in plans),
+            parts=tuple(tuple(parts[a] for a in p[1]) for p in plans),
+            mirrors=tuple(tuple(mirrors[a] for a in p[2]) for p in plans), in_place=in_place)
+        steps.append((js, request, engine.run(request)))
+    new_stored, new_params, new_mirrors, new_packs = _write_back(prog, packs, steps)
+    copies = [t.f(new_params[a]) for a, u in enumerate(prog.stepping) for t in prog.layout.params[u].transforms]
+    grads_out = tuple(s[0] for s in summed) if want_grads else ()
+    norms = stats.norms(prog, _squares(prog, steps, new_params), params, checks) if want_stats else ()
+    # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
+    return (new_stored, new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
+            jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out, norms)
+
+
+def _check(prog: Program, params: tuple, checks: tuple) -> None:
+    """Every model array the call reads against the layout (while tracing: a valid call pays nothing)."""
+    lay = prog.layout
+    for i, x in zip(prog.check_pos, checks):
+        _check_param(x, lay, i)
+    for u, x in zip(prog.graded, params):
+        _check_param(x, lay, lay.params[u].canonical)
+
+
+def _write_back(prog: Program, packs: tuple, steps: list) -> tuple[tuple, list, list, dict]:
+    """The engine's results in `_core`'s output order: the new stored stacks (per stepping stack); per stepping
+    parameter its new value and its tied positions' values (`optim._engine.xla.mirrors`); the pack groups
+    written (`{group: arrays}`)."""
+    new_stored: list = [None] * len(prog.step_stacks)
+    new_params: list = [None] * len(prog.stepping)
     new_mirrors: list = [()] * len(prog.stepping)
-    squares: list = [None] * len(prog.step_stacks)   # per stepping stack: its rows' squared norms
-    pack_rows: list = []      # new rows of the packs (see optim._engine.pack), from the stacks that step
-    for r, js in by_rule.items():
-        stk = [stacks[j] for j in js]
-        ms = [tuple(mirrors[a] for a in prog.stack_plan[j][2]) for j in js]
-        xs = [tuple(params[i] for i in prog.stack_plan[j][1]) for j in js]
-        gs = [tuple(summed[i] for i in prog.stack_plan[j][1]) for j in js]
-        sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
-        firsts = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
-        # The engine: a registered strategy that runs this rule here (optim._engine.strategies: on CPU, optim's fused
-        # kernel), else XLA's path (optim._engine.xla), both returning the same structure.
-        strategy = strategies.choose(rules[r], firsts, stk, sizes, len(grads))
-        if strategy is not None:
-            ps = [tuple(parts[a] for a in prog.stack_plan[j][1]) for j in js]
-            out = strategy.run(prog, rules[r], js, in_place, stk, packs, xs, gs, ps, ms)
-        else:
-            out = xla.rule_step(prog, rules[r], js, stk, packs, xs, gs)
-            out += (xla.mirrors(out[1], ms),)
-        for j, st, new, new_ms in zip(js, *out[:2], out[3]):
-            new_stacks[j] = st
-            for a, x, m in zip(prog.stack_plan[j][2], new, new_ms):
+    pack_rows: list = []
+    for js, _, result in steps:
+        for j, st, new, ms in zip(js, result.stored, result.params, result.mirrors):
+            new_stored[j] = st
+            for a, x, m in zip(prog.stack_plan[j][2], new, ms):
                 new_params[a] = x
                 new_mirrors[a] = m
         # Whole pack groups, each from one array (see `optim._engine.xla.rule_step`).
-        pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in out[2].items()
+        pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in result.packs.items()
                       for t, a in enumerate(group)]
-        if want_stats:
-            for j, x, g in zip(js, xs, gs):
-                # Reductions per stack over its gradients, old and new values (the new ones as written, so the
-                # step is not recomputed): a few kernels per stack, not per parameter.
-                squares[j] = stats.row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
-                                          stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
-    new_packs = assemble(packs, pack_rows)
-    copies = [t.f(new_params[j]) for j, u in enumerate(prog.stepping) for t in lay.params[u].transforms]
-    grads_out = tuple(s[0] for s in summed) if want_grads else ()
-    norms = stats.norms(prog, squares, params, checks) if want_stats else ()
-    # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
-    return (tuple(new_stacks), new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
-            jnp.asarray(step, jnp.int32) + jnp.int32(1),
-            grads_out, norms)
+    return tuple(new_stored), new_params, new_mirrors, assemble(packs, pack_rows)
+
+
+def _squares(prog: Program, steps: list, new_params: list) -> list:
+    """For `return_stats`: per stepping stack, its rows' squared norms of the gradient, the old and the new value
+    (the new ones as written, so the step is not recomputed): a few kernels per stack, not per parameter."""
+    squares: list = [None] * len(prog.step_stacks)
+    for js, request, _ in steps:
+        for j, x, g in zip(js, request.params, request.grads):
+            squares[j] = stats.row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
+                                           stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
+    return squares
 
 
 def _sums_core(prog: Program, xs: tuple, grads: tuple) -> tuple:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import weakref
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -58,7 +58,7 @@ from .._rules.average import EMA
 from .._rules.protocol import Gated, apply_all, formula_of
 from .._rules.transforms import Scale
 from .backend import only_cpu
-from .strategies import Strategy, register
+from .strategies import Request, Result, Strategy, register, switch
 from .._rules.wrappers import (OptimiserChain, SkipLargeUpdates, SkipLargeUpdatesState, SkipNonFinite,
                                SkipNonFiniteState, joint_norm)
 
@@ -250,10 +250,10 @@ class Kernel(Strategy):
         # Only where it will run: a process with another backend keeps XLA's stacking (one parameter a stack).
         return only_cpu() and _peel(rule) is not None
 
-    def refuse(self, rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> str | None:
-        """Why the kernel cannot run `rule` on these stacks (None: it can). `firsts[i]`: the `Param` of stack
-        `i`'s first member (all members share shape, dtype and placement), `stored[i]` its stored state tree,
-        `sizes[i]` its number of members; `n_trees`: the number of gradient trees."""
+    def refuse(self, request: Request) -> str | None:
+        """Why the kernel cannot run `request` (None: it can): its rule, stacks, dtypes and placements."""
+        rule, firsts, stored, sizes, n_trees = (request.rule, request.firsts, request.stored, request.sizes,
+                                                request.n_trees)
         if not self.enabled():
             return "turned off (OPTIM_FUSED=0)" if AVAILABLE else WHY
         if n_trees != 1:
@@ -301,33 +301,33 @@ class Kernel(Strategy):
                         return "a state of another structure"
         return None
 
-    def run(self, prog: Any, rule: Any, js: list, in_place: bool, stacks: list, packs: tuple, xs: list, gs: list,
-            parts: list, mirrors: list) -> tuple:
-        """The kernel's step of `rule`'s stepping stacks `js` where the program is lowered for CPU, XLA's path
-        elsewhere (optim._engine.kernel_choice), both as `xla.rule_step` returns it plus the tied positions' new values
-        (`xla.mirrors`). The kernel reads each parameter's gradient parts (`parts`: it sums a tie's two parts in
-        its own pass), XLA's path the sums (`gs`). The hyperparameters are operands, as they may be what is
+    def run(self, request: Request) -> Result:
+        """The kernel's step of `request` where the program is lowered for CPU, XLA's path elsewhere
+        (optim._engine.kernel_choice). The kernel reads each member's gradient parts (it sums a tie's two parts in
+        its own pass), XLA's path the sums. The hyperparameters are operands, as they may be what is
         differentiated (a meta-gradient through `update` differentiates XLA's path)."""
-        hypers, treedef = jax.tree_util.tree_flatten(rule)
-        lay, ref = prog.layout, weakref.ref(prog)
+        hypers, treedef = jax.tree_util.tree_flatten(request.rule)
+        # XLA's code, kept by the traced program to lower for other platforms: it closes over the request's static
+        # fields only (its arrays are operands), so the traced program keeps no tracer or array alive.
+        static = request._replace(rule=None, stored=None, packs=None, params=None, grads=None, parts=None,
+                                  mirrors=None)
 
-        # Kept by the traced program, as XLA's code to lower for other platforms: it reaches the Program through
-        # a weak reference (the Program keeps the traced program; see `optim._core.update._jitted`).
-        def on_xla(hypers, stacks, packs, xs, gs, parts, ms):
-            new_stacks, new_params, written = xla.rule_step(ref(), treedef.unflatten(hypers), js, stacks, packs, xs,
-                                                            gs)
-            return new_stacks, new_params, written, xla.mirrors(new_params, ms)
+        def on_xla(hypers, stored, packs, xs, gs, parts, ms):
+            return tuple(xla.XLA.run(static._replace(rule=treedef.unflatten(hypers), stored=stored, packs=packs,
+                                                     params=xs, grads=gs, parts=parts, mirrors=ms)))
 
-        def on_kernel(hypers, stacks, packs, xs, gs, parts, ms):
-            new_stacks, new_params, written, new_ms = kernel_calls(
-                treedef.unflatten(hypers), stacks, [prog.stack_plan[j][0] for j in js],
-                [len(lay.stacks[prog.step_stacks[j]]) for j in js], xs, parts, packs, in_place, ms, gs)
-            return new_stacks, new_params, assemble(packs, written), new_ms
+        def on_kernel(hypers, stored, packs, xs, gs, parts, ms):
+            new_stored, new_params, written, new_ms = kernel_calls(
+                treedef.unflatten(hypers), stored, static.rows, static.sizes, xs, parts, packs, static.in_place, ms,
+                gs)
+            return new_stored, new_params, assemble(packs, written), new_ms
 
-        return kernel_or_xla(on_kernel, on_xla, hypers, stacks, packs, xs, gs, parts, mirrors)
+        return Result(*kernel_or_xla(on_kernel, on_xla, hypers, request.stored, request.packs, request.params,
+                                     request.grads, request.parts, request.mirrors))
 
 
 KERNEL = register(Kernel())
+switch(sys.modules[__name__], "ENABLED")
 
 
 def kernel_calls(rule: Any, stored: list, rows: list, sizes: list, xs: list, gs: list, packs: tuple,

@@ -29,8 +29,7 @@ import numpy as np
 
 from .._base.export import register_for_export
 
-__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
-           "replace_groups"]
+__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble"]
 
 SMALL = 8               # elements per parameter: bt (2), counts (1); Adafactor's row statistics are not small
 PACK_MAX_ROWS = 64      # rows per pack group; XLA's compile time grows with the slices taken from one array
@@ -213,7 +212,3 @@ def assemble(packs: tuple, rows: list) -> dict:
         out[k] = tuple(new_group)
     return out
 
-
-def replace_groups(packs: tuple, new: dict) -> tuple:
-    """`packs` with the groups in `new` (`{group: arrays}`, from `assemble`) replaced."""
-    return tuple(new.get(k, group) for k, group in enumerate(packs))

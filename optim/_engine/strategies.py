@@ -1,30 +1,81 @@
-"""The engine's strategies: the ways a rule's stepping stacks can run, besides XLA's code for the rule.
+"""The engine's one interface: `run(request) -> Result`, the step of one rule's stepping stacks.
 
-`update` (optim._core.update) plans each call the same way: per rule, its stepping stacks and their summed gradients.
-XLA's path runs the rule's own JAX code, vmapped over each stack (optim._engine.hoist hoists its small arithmetic once
-per pack); it always works. A strategy is another way to run some rules' stacks, faster where it applies (the
-fused CPU kernel, optim._engine.fused). It registers here with `register`, and says
+`update` (optim._core.update) asks the engine once per rule: a `Request` names the rule, the stacks of its
+parameters that step, their stored state, values and tie-summed gradients; the `Result` holds their new state and
+values. How they step is a *strategy*'s. Strategies register here with `register`; `run` asks each in turn and
+the first that accepts runs the request. XLA's path (optim._engine.xla: the rule's own JAX code, vmapped over
+each stack) is registered as the fallback: it accepts everything, so `run` always has an answer, and every
+refusal before it is logged (logger "optim", debug level) with its reason, once per compiled program. A
+strategy says
 
-- `enabled()`: whether it is on (part of the key of the program cache, optim._core.program);
+- `enabled()`: whether it is on;
 - `wide(rule)`: whether `setup` and `adjust` keep this rule's large parameters in stacks (one kernel call runs
   many members of a stack, where XLA's path prefers one parameter per stack);
-- `refuse(rule, firsts, stored, sizes, n_trees)`: why it cannot run these stacks, or None where it can;
-- `branches(prog, rule, js, in_place)`: the functions `update` runs, as `optim._core.update._fused_branches` builds.
+- `refuse(request)`: why it cannot run this request, or None where it can;
+- `run(request)`: the `Result`.
 
-`choose` asks each registered strategy in turn and takes the first that accepts; where none does, XLA's path
-runs, and each refusal is logged (logger "optim", debug level) with its reason, once per compiled program.
-Nothing here knows a rule's formulas or imports a strategy: the rule protocol, `setup` and `adjust` depend on
-this module only.
+A module-level switch that changes what a strategy compiles (`optim._engine.fused.ENABLED`) is declared with
+`switch`: the switches' values are part of the key of the program cache (optim._core.program), read there
+without a call. Nothing here knows a strategy by name: the rule protocol, `setup` and `adjust` depend on this
+module only, and `optim._engine`'s `__init__` imports the strategies so that they are registered.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Strategy", "register", "registered", "key", "wide_rules", "choose"]
+__all__ = ["Request", "Result", "Strategy", "register", "registered", "switch", "SWITCHES", "key", "wide_rules",
+           "run"]
 
 _log = logging.getLogger("optim")
+
+
+class Request(NamedTuple):
+    """One rule's stepping stacks in one `update`. Per stack, in the order of `stacks`: its stepping `rows`, their
+    parameters' indices `members` (into `layout.params`), its `stored` state (small leaves as placeholders into
+    `packs`: optim._engine.pack), and per stepping member its value (`params`), its tie-summed gradient in each
+    gradient tree (`grads`), its first tree's gradient as *parts* (`parts`: a tie's one or two gradients, which a
+    strategy may add in its own pass; else the sum alone) and the arrays at its other tied positions (`mirrors`:
+    traced calls only, else empty)."""
+
+    layout: Any                              # the state's Layout (optim._core.state)
+    rule: Any                                # the rule, its schedules resolved at this step
+    stacks: tuple[int, ...]                  # indices into `layout.stacks`
+    rows: tuple[tuple[int, ...], ...]
+    members: tuple[tuple[int, ...], ...]
+    stored: tuple
+    packs: tuple
+    params: tuple
+    grads: tuple
+    parts: tuple
+    mirrors: tuple
+    in_place: bool                           # the new values may overwrite the old buffers (they are donated)
+
+    @property
+    def firsts(self) -> list:
+        """Per stack, the `Param` of its first member (all members share shape, dtype and placement)."""
+        return [self.layout.params[self.layout.stacks[g][0]] for g in self.stacks]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Per stack, its number of members (stepping or not)."""
+        return [len(self.layout.stacks[g]) for g in self.stacks]
+
+    @property
+    def n_trees(self) -> int:
+        return len(self.grads[0][0])
+
+
+class Result(NamedTuple):
+    """What a strategy returns for a `Request`: per stack its new stored state and per stepping member its new
+    value; the pack groups those stacks write, whole (`{group: arrays}`); and per member its new value once per
+    position in its `mirrors` (XLA's path repeats the value; the fused kernel writes each into its buffer)."""
+
+    stored: list
+    params: list
+    packs: dict
+    mirrors: list
 
 
 class Strategy:
@@ -38,29 +89,42 @@ class Strategy:
     def wide(self, rule: Any) -> bool:
         raise NotImplementedError
 
-    def refuse(self, rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> str | None:
+    def refuse(self, request: Request) -> str | None:
         raise NotImplementedError
 
-    def branches(self, prog: Any, rule: Any, js: list, in_place: bool) -> tuple:
+    def run(self, request: Request) -> Result:
         raise NotImplementedError
 
 
 _REGISTERED: list[Strategy] = []
+_FALLBACK: list[Strategy] = []
+# (owner, attribute) of each switch: `tuple(getattr(o, a) for o, a in SWITCHES)` is their state.
+SWITCHES: list[tuple[Any, str]] = []
 
 
-def register(strategy: Strategy) -> Strategy:
-    """Add `strategy`, asked after those registered before it."""
-    _REGISTERED.append(strategy)
+def register(strategy: Strategy, fallback: bool = False) -> Strategy:
+    """Add `strategy`, asked after those registered before it; `fallback=True`: the one that runs what every
+    other refuses (XLA's path), which must accept every request."""
+    if fallback:
+        _FALLBACK[:] = [strategy]
+    else:
+        _REGISTERED.append(strategy)
     return strategy
 
 
 def registered() -> tuple[Strategy, ...]:
-    return tuple(_REGISTERED)
+    """The strategies `run` asks, in order, the fallback last."""
+    return (*_REGISTERED, *_FALLBACK)
 
 
-def key() -> tuple[bool, ...]:
-    """Which strategies are on: a program compiled with one on is not reused with it off."""
-    return tuple(s.enabled() for s in _REGISTERED)
+def switch(owner: Any, attribute: str) -> None:
+    """Declare `owner.attribute` a switch: a program compiled with one value is not reused with another."""
+    SWITCHES.append((owner, attribute))
+
+
+def key() -> tuple:
+    """The switches' values (what optim._core.program reads inline)."""
+    return tuple(getattr(o, a) for o, a in SWITCHES)
 
 
 def wide_rules(rules: tuple) -> frozenset:
@@ -78,12 +142,12 @@ def wide_rules(rules: tuple) -> frozenset:
         (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule))
 
 
-def choose(rule: Any, firsts: list, stored: list, sizes: list, n_trees: int) -> Strategy | None:
-    """The first registered strategy that runs `rule` on these stacks (see `Strategy.refuse`), or None for XLA's
-    path; the reason each other one gave is logged at debug level."""
+def run(request: Request) -> Result:
+    """The step of `request`, by the first registered strategy that accepts it (see `Strategy.refuse`), else by
+    the fallback; the reason each other one gave is logged at debug level."""
     for s in _REGISTERED:
-        why = s.refuse(rule, firsts, stored, sizes, n_trees)
+        why = s.refuse(request)
         if why is None:
-            return s
-        _log.debug("optim: %s does not run %s here (XLA's path does): %s", s.name, type(rule).__name__, why)
-    return None
+            return s.run(request)
+        _log.debug("optim: %s does not run %s here: %s", s.name, type(request.rule).__name__, why)
+    return _FALLBACK[0].run(request)

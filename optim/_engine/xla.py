@@ -1,4 +1,4 @@
-"""XLA's path: a rule's own JAX code run on its stepping stacks, which XLA compiles (optim._core.update's default).
+"""XLA's path: a rule's own JAX code run on its stepping stacks, which XLA compiles (the engine's fallback).
 
 Each stack runs the rule once, vmapped over its stepping rows (`apply_all`), with the rule's small arithmetic
 hoisted to once per pack where the rule allows (optim._engine.hoist); the step is then applied to each parameter's own
@@ -20,28 +20,45 @@ from . import members as members
 from .pack import assemble, pinned
 from .stack import (GROUPED, STACK_MAX_SIZE, constrain, constrain_stack, put_rows, stack_arrays, take_rows,
                     traced_sharded)
+from .strategies import Request, Result, Strategy, register, switch
 from .._rules.protocol import apply_step, step_row
 
-__all__ = ["rule_step", "mirrors", "key"]
+__all__ = ["XLAPath", "XLA", "rule_step", "mirrors"]
 
 
-def key() -> tuple[bool, ...]:
-    """The switches of this path that change its program (part of the program cache's key)."""
-    return (hoist.ENABLED,)
+class XLAPath(Strategy):
+    """XLA's path as the engine's fallback strategy (optim._engine.strategies): it runs every request."""
+
+    name = "XLA's path"
+
+    def enabled(self) -> bool:
+        return True
+
+    def wide(self, rule: Any) -> bool:
+        return False
+
+    def refuse(self, request: Request) -> str | None:
+        return None
+
+    def run(self, request: Request) -> Result:
+        new_stored, new_params, written = rule_step(request)
+        return Result(new_stored, new_params, written, mirrors(new_params, request.mirrors))
 
 
-def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: list, gs: list):
-    """XLA's path for the stepping stacks `js` of one rule: per stack `j` (its stored state `stacks`, its
-    stepping members' parameters `xs` and summed gradients per tree `gs`), the rule runs once on its stepping
-    rows. Returns `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups
-    whole, so that this and a strategy's code return the same structure (optim._engine.kernel_choice needs it)."""
-    lay = prog.layout
-    sizes = [len(lay.stacks[prog.step_stacks[j]]) for j in js]
-    rows = [prog.stack_plan[j][0] for j in js]
+XLA = register(XLAPath(), fallback=True)
+switch(hoist, "ENABLED")
+
+
+def rule_step(request: Request) -> tuple[list, list, dict]:
+    """XLA's path for one rule's stepping stacks: per stack, the rule runs once on its stepping rows. Returns
+    `(new stored stacks, new parameters per stack, {pack group: new arrays})`: the pack groups whole, so that this
+    and a strategy's code return the same structure (optim._engine.kernel_choice needs it)."""
+    lay, rule, stacks, packs, xs, gs = (request.layout, request.rule, request.stored, request.packs, request.params,
+                                        request.grads)
+    sizes, places = request.sizes, request.firsts
     xx = [stack_arrays(list(x)) for x in xs]
     # JAX's gradient w.r.t. a complex parameter is the conjugate of the descent direction (see _rules).
     dxs = [tuple(stack_arrays([_conj(d[t]) for d in g]) for t in range(len(g[0]))) for g in gs]
-    places = [lay.params[lay.stacks[prog.step_stacks[j]][0]] for j in js]
     # The rule's step per stack, in the state's stored form (packed small leaves: optim._engine.pack), its small
     # arithmetic run once per pack where the rule allows (optim._engine.hoist); in a group of large parameters
     # (optim._engine.group), the arithmetic that reads a parameter is done in its own array (optim._engine.members).
@@ -51,18 +68,17 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
                and all(isinstance(a, jax.core.Tracer) for a in x) and not traced_sharded(x[0])
                for p, x in zip(places, xs)]
     results, written, member_steps = members.evaluate(
-        lambda xx: hoist.step_stacks(rule, stacks, rows, sizes, xx, dxs, packs), xx,
+        lambda xx: hoist.step_stacks(rule, stacks, request.rows, sizes, xx, dxs, packs), xx,
         [tuple(x) if g else None for g, x in zip(grouped, xs)])
     written = pinned(written, stacks, [p.state_place for p in places])
     new_stacks, new_params = [], []
-    for j, stack, n, x, (st, d), own in zip(js, stacks, sizes, xs, results, member_steps):
-        rows = prog.stack_plan[j][0]
+    for stack, rows, us, n, x, (st, d), own, first in zip(stacks, request.rows, request.members, sizes, xs, results,
+                                                          member_steps, places):
         new = put_rows(stack, rows, _same_dtypes(st, take_rows(stack, rows, n)), n)
         # A requested state sharding: XLA would propagate the new state's and the new parameters' shardings
         # from the arithmetic (replicated x - sharded step = sharded), so both are pinned, the state to its
         # requested sharding and the parameters to the sharding they had at setup (an all-gather per
         # parameter for ZeRO-1).
-        first = lay.params[lay.stacks[prog.step_stacks[j]][0]]
         if first.state_place is not None:
             new = constrain_stack(new, first.state_place, first.shape)
         new_stacks.append(new)
@@ -70,8 +86,7 @@ def rule_step(prog: Any, rule: Any, js: list, stacks: list, packs: tuple, xs: li
         # update into one kernel per leaf that writes the new parameter directly.
         new_x = [apply_step(xm, step_row(d, m) if own is None else own[m]) for m, xm in enumerate(x)]
         if first.state_place is not None:
-            new_x = [constrain(v, lay.params[prog.stepping[a]].place)
-                     for v, a in zip(new_x, prog.stack_plan[j][2])]
+            new_x = [constrain(v, lay.params[u].place) for v, u in zip(new_x, us)]
         new_params.append(tuple(new_x))
     return new_stacks, new_params, assemble(packs, written)
 
