@@ -39,6 +39,7 @@ from ._core.state import Layout, Leaf, PathError, State
 from ._rules.quantized import Quantized, q4, q8
 from ._io.state_dict import load_state_dict, state_dict
 from ._rules.protocol import Gated, Replace, Rule, apply_all, apply_step
+from ._rules import fields
 from ._rules.rounding import StochasticRounding
 from ._core.surgery import donatable, graft, reset, retie, subtree
 from ._core.update import global_norm, tie_grads, update
@@ -56,6 +57,7 @@ __all__ = [
     "adjust", "freeze", "thaw", "reset", "retie", "donatable", "subtree", "graft", "trainables",
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
+    "fields",
     "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "SOAP", "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",

@@ -130,9 +130,11 @@ def register_struct(cls: type, static: tuple[str, ...] = ()) -> type:
     `jax.export` too: `optim._base.export`).
 
     JAX rebuilds such objects with tracers or placeholders as leaves, so unflattening bypasses `__init__`
-    (and its validation).
+    (and its validation). A class already made a dataclass of its own is taken as it is (`Rule` makes it one
+    first, to read its fields' metadata: a second pass would lose it).
     """
-    dataclasses.dataclass(frozen=True, repr=False)(cls)
+    if "__dataclass_fields__" not in vars(cls):
+        dataclasses.dataclass(frozen=True, repr=False)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     data = tuple(n for n in names if n not in static)
     meta = tuple(n for n in names if n in static)

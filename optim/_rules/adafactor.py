@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hyper as _hyper
+from .fields import decay, flag, nonneg, static, steps
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, abs2, compute_dtype, real_dtype, as_compute
@@ -90,23 +91,18 @@ class Adafactor(StateDtypes, Rule):
     Array(0.45, dtype=float32)
     """
 
-    lr: Hyper = 0.01
-    decay_rate: Hyper = 0.8
-    decay_offset: Hyper = 0
-    clipping_threshold: Hyper | None = 1.0
-    momentum: Hyper | None = None
-    weight_decay: Hyper = 0.0
-    eps: Hyper = 1e-30
-    min_scale: Hyper = 1e-3
-    factored: bool = True
-    min_dim_size_to_factor: int = 128
-    multiply_by_parameter_scale: bool = True
-    mu_dtype: Any = None
-    _static = ("factored", "min_dim_size_to_factor", "multiply_by_parameter_scale", "mu_dtype")
-    _flags = ("factored", "multiply_by_parameter_scale")
-    _nonneg = ("lr", "decay_rate", "clipping_threshold", "weight_decay", "eps", "min_scale")
-    _decay = ("momentum",)
-    _steps = ("decay_offset",)
+    lr: Hyper = nonneg(0.01)
+    decay_rate: Hyper = nonneg(0.8)
+    decay_offset: Hyper = steps(0)
+    clipping_threshold: Hyper | None = nonneg(1.0)
+    momentum: Hyper | None = decay(None)
+    weight_decay: Hyper = nonneg(0.0)
+    eps: Hyper = nonneg(1e-30)
+    min_scale: Hyper = nonneg(1e-3)
+    factored: bool = flag(True)
+    min_dim_size_to_factor: int = static(128)
+    multiply_by_parameter_scale: bool = flag(True)
+    mu_dtype: Any = static(None)
 
     def __post_init__(self):
         super().__post_init__()

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import flag, nonneg, static, unit
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, abs2, eps_of, pair_of, zeros_real, as_compute
@@ -103,14 +104,11 @@ class Adam(StateDtypes, Rule):
     """
 
     _formula = "adam"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
@@ -165,14 +163,11 @@ class RAdam(StateDtypes, Rule):
     """
 
     _formula = "radam"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return RAdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x), jnp.ones((), jnp.int32))
@@ -210,11 +205,9 @@ class AdaMax(Rule):
     Array([0.9, 2.1], dtype=float32)
     """
 
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
 
     def init(self, x):
         return AdaMaxState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x))
@@ -251,11 +244,9 @@ class OAdam(Rule):
     Array([0.8, 2.2], dtype=float32)
     """
 
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.5, 0.9)
-    eps: Hyper = 1e-8
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.5, 0.9))
+    eps: Hyper = nonneg(1e-8)
 
     def init(self, x):
         return OAdamState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x), jnp.zeros_like(x))
@@ -301,14 +292,11 @@ class AMSGrad(StateDtypes, Rule):
     """
 
     _formula = "amsgrad"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         e = as_compute(self.eps, x)
@@ -358,14 +346,11 @@ class NAdam(StateDtypes, Rule):
     """
 
     _formula = "nadam"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
@@ -410,17 +395,13 @@ class AdamW(StateDtypes, Rule):
     """
 
     _formula = "adamw"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    weight_decay: Hyper = 0.0
-    eps: Hyper = 1e-8
-    couple: bool = True
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("couple", "mu_dtype", "nu_dtype")
-    _flags = ("couple",)
-    _nonneg = ("lr", "weight_decay", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    weight_decay: Hyper = nonneg(0.0)
+    eps: Hyper = nonneg(1e-8)
+    couple: bool = flag(True)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return AdamState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))
@@ -465,14 +446,11 @@ class AdaBelief(StateDtypes, Rule):
     """
 
     _formula = "adabelief"
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-16
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-16)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return AdaBeliefState(mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))

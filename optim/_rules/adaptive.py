@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import decay, flag, nonneg, static
 from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
 from .quantized import QuantizedArray
 from .schedules import Hyper
@@ -67,16 +68,13 @@ class RMSProp(StateDtypes, Rule):
     """
 
     _formula = "rmsprop"
-    lr: Hyper = 0.001
-    rho: Hyper = 0.9
-    eps: Hyper = 1e-8
-    centred: bool = False
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("centred", "mu_dtype", "nu_dtype")     # new fields last: old files' treedefs still read
-    _flags = ("centred",)
-    _nonneg = ("lr", "eps")
-    _decay = ("rho",)
+    lr: Hyper = nonneg(0.001)
+    rho: Hyper = decay(0.9)
+    eps: Hyper = nonneg(1e-8)
+    # the static fields last, new ones at the end: old files' treedefs still read
+    centred: bool = flag(False)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return RMSPropState(nu_zeros(self, x), mu_zeros(self, x) if self.centred else None)
@@ -123,9 +121,8 @@ class AdaGrad(Rule):
     Array([0.9, 2.1], dtype=float32)
     """
 
-    lr: Hyper = 0.1
-    eps: Hyper = 1e-8
-    _nonneg = ("lr", "eps")
+    lr: Hyper = nonneg(0.1)
+    eps: Hyper = nonneg(1e-8)
 
     def init(self, x):
         return jnp.full(x.shape, self.eps, real_dtype(x))
@@ -157,10 +154,8 @@ class AdaDelta(Rule):
     Array([0.99968, 2.00032], dtype=float32)
     """
 
-    rho: Hyper = 0.9
-    eps: Hyper = 1e-8
-    _nonneg = ("eps",)
-    _decay = ("rho",)
+    rho: Hyper = decay(0.9)
+    eps: Hyper = nonneg(1e-8)
 
     def init(self, x):
         return AdaDeltaState(zeros_real(x), zeros_real(x))

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import nonneg, static, unit
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from .protocol import Rule, as_compute, eps_of
 from .schedules import Hyper
@@ -81,17 +82,14 @@ class AdEMAMix(StateDtypes, Rule):
     """
 
     _formula = "ademamix"
-    lr: Hyper = 1e-3
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    beta3: Hyper = 0.9999
-    alpha: Hyper = 5.0
-    eps: Hyper = 1e-8
-    weight_decay: Hyper = 0.0
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("mu_dtype", "nu_dtype")
-    _nonneg = ("lr", "alpha", "eps", "weight_decay")
-    _unit = ("beta", "beta3")
+    lr: Hyper = nonneg(1e-3)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    beta3: Hyper = unit(0.9999)
+    alpha: Hyper = nonneg(5.0)
+    eps: Hyper = nonneg(1e-8)
+    weight_decay: Hyper = nonneg(0.0)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         return AdEMAMixState(mu_zeros(self, x), mu_zeros(self, x), nu_zeros(self, x), bt_init(self.beta, x))

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import flag, nonneg, static, unit
 from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
 from .protocol import Rule, abs2, as_compute, eps_of, pair_of, where
 from .quantized import QuantizedArray
@@ -73,17 +74,14 @@ class ADOPT(StateDtypes, Rule):
     """
 
     _formula = "adopt"
-    lr: Hyper = 1e-3
-    beta: tuple[Hyper, Hyper] = (0.9, 0.9999)
-    eps: Hyper = 1e-6
-    nesterov: bool = False
-    use_clipping: bool = True
-    mu_dtype: Any = None
-    nu_dtype: Any = None
-    _static = ("nesterov", "use_clipping", "mu_dtype", "nu_dtype")   # new fields last: old files still read
-    _flags = ("nesterov", "use_clipping")
-    _nonneg = ("lr", "eps")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(1e-3)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.9999))
+    eps: Hyper = nonneg(1e-6)
+    # the static fields last, new ones at the end: old files still read
+    nesterov: bool = flag(False)
+    use_clipping: bool = flag(True)
+    mu_dtype: Any = static(None)
+    nu_dtype: Any = static(None)
 
     def init(self, x):
         if jnp.iscomplexobj(x):

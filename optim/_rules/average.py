@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import decay
 from .schedules import Hyper
 from .protocol import (Gated, Rule, where_leading, apply_all, apply_one, apply_step, as_compute,
                        inner_fields, inner_rules, is_rule, widened)
@@ -65,9 +66,8 @@ class EMA(Rule):
     """
 
     rule: Any = None
-    decay: Hyper = 0.999
+    decay: Hyper = decay(0.999)
     _across = False     # per parameter; its inner rule may look across
-    _decay = ("decay",)
 
     def __init__(self, rule: Any, decay: Hyper = 0.999):
         if not is_rule(rule):

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import hyper as _hyper
 from .._base.export import register_for_export
+from .fields import decay, flag, nonneg, static, unit
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, StateDtypes, store
 from .adam import AdamState
 from .schedules import Hyper
@@ -126,21 +127,17 @@ class Muon(StateDtypes, Rule):
            [ 0.  , -0.11]], dtype=float32)
     """
 
-    lr: Hyper = 0.02
-    rho: Hyper = 0.95
-    eps: Hyper = 1e-8
-    weight_decay: Hyper = 0.0
-    consistent_rms: Hyper | None = None
-    nesterov: bool = True
-    adaptive: bool = False
-    steps: int = 5
-    reduction_axis: Any = 0
-    output_axis: Any = None
-    mu_dtype: Any = None
-    _static = ("nesterov", "adaptive", "steps", "reduction_axis", "output_axis", "mu_dtype")
-    _flags = ("nesterov", "adaptive")
-    _nonneg = ("lr", "eps", "weight_decay", "consistent_rms")
-    _unit = ("rho",)
+    lr: Hyper = nonneg(0.02)
+    rho: Hyper = unit(0.95)
+    eps: Hyper = nonneg(1e-8)
+    weight_decay: Hyper = nonneg(0.0)
+    consistent_rms: Hyper | None = nonneg(None)
+    nesterov: bool = flag(True)
+    adaptive: bool = flag(False)
+    steps: int = static(5)
+    reduction_axis: Any = static(0)
+    output_axis: Any = static(None)
+    mu_dtype: Any = static(None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -261,13 +258,11 @@ class Lamb(Rule):
     Array([0.8419, 2.1581], dtype=float32)
     """
 
-    lr: Hyper = 0.001
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-6
-    weight_decay: Hyper = 0.0
-    eps_root: Hyper = 0.0
-    _nonneg = ("lr", "eps", "weight_decay", "eps_root")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.001)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-6)
+    weight_decay: Hyper = nonneg(0.0)
+    eps_root: Hyper = nonneg(0.0)
 
     def init(self, x):
         return AdamState(jnp.zeros_like(x), zeros_real(x), bt_init(self.beta, x))
@@ -322,16 +317,12 @@ class Lars(Rule):
     Array([0.9999, 2.0002], dtype=float32)
     """
 
-    lr: Hyper = 1.0
-    rho: Hyper = 0.9
-    weight_decay: Hyper = 0.0
-    trust_coefficient: Hyper = 0.001
-    eps: Hyper = 0.0
-    nesterov: bool = False
-    _static = ("nesterov",)
-    _flags = ("nesterov",)
-    _nonneg = ("lr", "weight_decay", "trust_coefficient", "eps")
-    _decay = ("rho",)
+    lr: Hyper = nonneg(1.0)
+    rho: Hyper = decay(0.9)
+    weight_decay: Hyper = nonneg(0.0)
+    trust_coefficient: Hyper = nonneg(0.001)
+    eps: Hyper = nonneg(0.0)
+    nesterov: bool = flag(False)
 
     def init(self, x):
         return jnp.zeros_like(x)

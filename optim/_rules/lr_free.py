@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from .._base.export import register_for_export
 from . import hyper as _hyper
+from .fields import flag, nonneg, unit
 from .protocol import Rule, abs2, apply_one, compute_dtype
 from .schedules import Hyper
 
@@ -133,18 +134,14 @@ class Prodigy(Rule):
     0.301
     """
 
-    lr: Hyper = 1.0
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    beta3: Hyper | None = None
-    eps: Hyper = 1e-8
+    lr: Hyper = nonneg(1.0)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    beta3: Hyper | None = unit(None)
+    eps: Hyper = nonneg(1e-8)
     estim_lr0: Hyper = 1e-6
-    estim_lr_coef: Hyper = 1.0
-    weight_decay: Hyper = 0.0
-    safeguard_warmup: bool = False
-    _static = ("safeguard_warmup",)
-    _flags = ("safeguard_warmup",)
-    _nonneg = ("lr", "eps", "estim_lr_coef", "weight_decay")
-    _unit = ("beta", "beta3")
+    estim_lr_coef: Hyper = nonneg(1.0)
+    weight_decay: Hyper = nonneg(0.0)
+    safeguard_warmup: bool = flag(False)
     _across = True      # one d over the parameters that share the rule (see `protocol.looks_across`)
 
     @classmethod
@@ -250,11 +247,10 @@ class DoG(Rule):
     {'a': Array([2.4, 0. ], dtype=float32), 'b': Array(4., dtype=float32)}
     """
 
-    lr: Hyper = 1.0
-    reps_rel: Hyper = 1e-6
-    eps: Hyper = 1e-8
-    init_learning_rate: Hyper | None = None
-    _nonneg = ("lr", "reps_rel", "eps", "init_learning_rate")
+    lr: Hyper = nonneg(1.0)
+    reps_rel: Hyper = nonneg(1e-6)
+    eps: Hyper = nonneg(1e-8)
+    init_learning_rate: Hyper | None = nonneg(None)
     _across = True      # one step size over the parameters that share the rule
 
     @classmethod

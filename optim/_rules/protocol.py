@@ -5,8 +5,9 @@ parameter is `x - step` (`apply_step`). Besides a plain array, a step may be `No
 only where a flag is true) or `Replace` (the new value itself).
 
 `Rule` is the base class of the built-in rules: a frozen dataclass registered as a pytree whose hyperparameters
-are leaves, so changing one with `optim.adjust` changes data, never the compiled program. Fields named in
-`_static` are structural (they change the state's shape or the program) and live in the treedef instead.
+are leaves, so changing one with `optim.adjust` changes data, never the compiled program. Fields declared
+`static` (or `flag`, see `fields.py`) are structural (they change the state's shape or the program) and live in
+the treedef instead.
 
 `update` runs a rule over *stacks* of parameters (a group of same-shaped parameters stacked on a leading axis)
 with `apply_all`: rules that look across parameters implement `apply_tree` over such stacks, every other rule's
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import fields as _fields
 from . import hyper as _hyper
 from .._base.tree import register_struct, struct_repr
 
@@ -116,15 +118,18 @@ class Rule:
     Subclasses are frozen dataclasses; `__init_subclass__` registers each as a pytree whose leaves are the
     non-static fields. A user-defined rule needs only `init` and `apply` (and may skip subclassing).
 
-    The class attributes below declare each hyperparameter's range; the constructor checks concrete values
-    and stores numbers as floats, so `adjust` never truncates one given as an int.
-    A tuple default makes the field a tuple of that many numbers, each checked alike: `beta=(0.9, 0.999)` a pair,
-    `beta=(0.9, 0.99, 0.999)` a triple.
+    Each field declares its contract with its default, from `optim.fields`: `nonneg(0.1)` (finite, >= 0),
+    `unit` (in [0, 1)), `decay` (in [0, 1]), `signed` (finite), `count` (an integer >= 1), `steps` (an
+    integer >= 0), `static` (structural, in the treedef) and `flag` (a static bool); a plain default declares
+    none. The constructor checks concrete values and stores numbers as
+    floats, so `adjust` never truncates one given as an int. A tuple default makes the field a tuple of that
+    many numbers, each checked alike: `unit((0.9, 0.999))` a pair, `unit((0.9, 0.99, 0.999))` a triple.
+    A subclass that gives a field a plain new default keeps its contract. The older form, class tuples
+    (`_nonneg = ("lr",)`, `_static`, ...; the class attributes below), is still read.
 
     >>> import jax.numpy as jnp, optim
     >>> class Sign(optim.Rule):
-    ...     lr: float = 0.1
-    ...     _nonneg = ("lr",)
+    ...     lr: float = optim.fields.nonneg(0.1)
     ...     def apply(self, state, x, dx, *dxs):
     ...         return state, self.lr * jnp.sign(dx)
     >>> x = jnp.array([1.0, 2.0])
@@ -136,6 +141,7 @@ class Rule:
     ValueError: Sign: lr must be >= 0 and finite, got -1.0
     """
 
+    # Derived per subclass from its fields' contracts (`optim._rules.fields`) and any tuples it declares by hand.
     _static: ClassVar[tuple[str, ...]] = ()
     _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
     _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
@@ -163,9 +169,17 @@ class Rule:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        own = _fields.declared(cls)     # read before the dataclass replaces each `Field` by its default
+        try:
+            dataclasses.dataclass(frozen=True, repr=False)(cls)
+        except TypeError as e:          # e.g. a contract on a name without an annotation: say which class
+            raise TypeError(f"{cls.__name__}: {e}") from None
+        fields = dataclasses.fields(cls)
+        for attr, names in _fields.contract_tuples(cls, own, [f.name for f in fields]).items():
+            setattr(cls, attr, names)
         register_struct(cls, cls._static)
         # Fields with a tuple default (`beta`) and their lengths: found once per class, not per construction.
-        cls._tuples = {f.name: f.default for f in dataclasses.fields(cls) if isinstance(f.default, tuple)}
+        cls._tuples = {f.name: f.default for f in fields if isinstance(f.default, tuple)}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base.export import register_for_export
+from .fields import static
 from .protocol import Replace, Rule, apply_all, apply_one, apply_step, average_of, is_rule
 from .wrappers import MixedPrecision
 
@@ -200,8 +201,7 @@ class StochasticRounding(Rule):
     """
 
     rule: Any = None
-    seed: int = 0
-    _static = ("seed",)
+    seed: int = static(0)
     _across = False     # per parameter; its inner rule may look across
 
     def __init__(self, rule: Any = None, seed: int = 0):

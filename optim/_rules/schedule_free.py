@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base.export import register_for_export
+from .fields import nonneg, unit
 from .hyper import is_concrete, is_schedule
 from .schedules import Hyper
 from .protocol import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_compute
@@ -75,14 +76,12 @@ class ScheduleFreeAdamW(Rule):
     ([0.845, 2.155], [0.85, 2.15])
     """
 
-    lr: Hyper = 0.0025
-    beta: tuple[Hyper, Hyper] = (0.9, 0.999)
-    eps: Hyper = 1e-8
-    weight_decay: Hyper = 0.0
-    warmup_steps: Hyper = 0.0
-    weight_lr_power: Hyper = 2.0
-    _nonneg = ("lr", "eps", "weight_decay", "warmup_steps", "weight_lr_power")
-    _unit = ("beta",)
+    lr: Hyper = nonneg(0.0025)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.999))
+    eps: Hyper = nonneg(1e-8)
+    weight_decay: Hyper = nonneg(0.0)
+    warmup_steps: Hyper = nonneg(0.0)
+    weight_lr_power: Hyper = nonneg(2.0)
 
     @classmethod
     def _checked(cls, name, v):

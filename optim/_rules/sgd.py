@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
+from .fields import decay, nonneg, static, unit
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, pair_of, as_compute, where
@@ -44,8 +45,7 @@ class Descent(Rule):
     """
 
     _formula = "descent"
-    lr: Hyper = 0.1
-    _nonneg = ("lr",)
+    lr: Hyper = nonneg(0.1)
 
     def apply(self, state, x, dx, *dxs):
         return state, as_compute(self.lr, x) * dx
@@ -78,12 +78,9 @@ class Momentum(StateDtypes, Rule):
     """
 
     _formula = "momentum"
-    lr: Hyper = 0.01
-    rho: Hyper = 0.9
-    mu_dtype: Any = None
-    _static = ("mu_dtype",)
-    _nonneg = ("lr",)
-    _decay = ("rho",)
+    lr: Hyper = nonneg(0.01)
+    rho: Hyper = decay(0.9)
+    mu_dtype: Any = static(None)
 
     def init(self, x):
         return mu_zeros(self, x)
@@ -116,10 +113,8 @@ class Nesterov(Rule):
     Array([0.905, 2.19 ], dtype=float32)
     """
 
-    lr: Hyper = 0.001
-    rho: Hyper = 0.9
-    _nonneg = ("lr",)
-    _decay = ("rho",)
+    lr: Hyper = nonneg(0.001)
+    rho: Hyper = decay(0.9)
 
     def init(self, x):
         return jnp.zeros_like(x)
@@ -156,10 +151,9 @@ class Rprop(Rule):
     Array([0.9, 2.1], dtype=float32)
     """
 
-    lr: Hyper = 1e-3
-    ell: tuple[Hyper, Hyper] = (0.5, 1.2)
-    gamma: tuple[Hyper, Hyper] = (1e-6, 50.0)
-    _nonneg = ("lr", "ell", "gamma")
+    lr: Hyper = nonneg(1e-3)
+    ell: tuple[Hyper, Hyper] = nonneg((0.5, 1.2))
+    gamma: tuple[Hyper, Hyper] = nonneg((1e-6, 50.0))
 
     def init(self, x):
         if jnp.iscomplexobj(x):
@@ -204,12 +198,9 @@ class Lion(StateDtypes, Rule):
     """
 
     _formula = "lion"
-    lr: Hyper = 1e-4
-    beta: tuple[Hyper, Hyper] = (0.9, 0.99)
-    mu_dtype: Any = None
-    _static = ("mu_dtype",)
-    _nonneg = ("lr",)
-    _unit = ("beta",)
+    lr: Hyper = nonneg(1e-4)
+    beta: tuple[Hyper, Hyper] = unit((0.9, 0.99))
+    mu_dtype: Any = static(None)
 
     def init(self, x):
         return mu_zeros(self, x)

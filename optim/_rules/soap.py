@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from . import hyper as _hyper
 from .._base.export import register_for_export
+from .fields import count, flag, nonneg, static, unit
 from .protocol import Rule, apply_one, as_compute, compute_dtype, eps_of, pair_of, where_leading
 from .schedules import Hyper
 
@@ -169,21 +170,16 @@ class SOAP(Rule):
            [ 0. , -0.1]], dtype=float32)
     """
 
-    lr: Hyper = 3e-3
-    beta: tuple[Hyper, Hyper] = (0.95, 0.95)
-    shampoo_beta: Hyper | None = None
-    eps: Hyper = 1e-8
-    weight_decay: Hyper = 0.01
-    precondition_frequency: int | jax.Array = 10
-    max_precond_dim: int = 10000
-    precondition_1d: bool = False
-    normalize_grads: bool = False
-    correct_bias: bool = True
-    _static = ("max_precond_dim", "precondition_1d", "normalize_grads", "correct_bias")
-    _flags = ("precondition_1d", "normalize_grads", "correct_bias")
-    _nonneg = ("lr", "eps", "weight_decay")
-    _unit = ("beta", "shampoo_beta")
-    _counts = ("precondition_frequency",)
+    lr: Hyper = nonneg(3e-3)
+    beta: tuple[Hyper, Hyper] = unit((0.95, 0.95))
+    shampoo_beta: Hyper | None = unit(None)
+    eps: Hyper = nonneg(1e-8)
+    weight_decay: Hyper = nonneg(0.01)
+    precondition_frequency: int | jax.Array = count(10)
+    max_precond_dim: int = static(10000)
+    precondition_1d: bool = flag(False)
+    normalize_grads: bool = flag(False)
+    correct_bias: bool = flag(True)
     _across = False      # per parameter: `apply_tree` only batches a stack's linear algebra
     _stack_large = True  # large parameters are stacked too: one batched eigh / qr per shape
     _hoist = False       # all stacks in one `apply_tree`, so that their eigh / qr run one at a time

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .fields import nonneg, signed, static
 from .schedules import Hyper
 from .protocol import Rule, abs2, as_compute, clip_factor
 
@@ -33,8 +34,7 @@ class WeightDecay(Rule):
     Array([0.9, 2. ], dtype=float32)
     """
 
-    weight_decay: Hyper = 5e-4
-    _nonneg = ("weight_decay",)
+    weight_decay: Hyper = nonneg(5e-4)
 
     def apply(self, state, x, dx, *dxs):
         return state, dx + as_compute(self.weight_decay, x) * x
@@ -60,8 +60,7 @@ class Scale(Rule):
     Array([0.975, 2.05 ], dtype=float32)
     """
 
-    f: Hyper
-    _signed = ("f",)
+    f: Hyper = signed()
 
     def apply(self, state, x, dx, *dxs):
         return state, as_compute(self.f, x) * dx
@@ -84,8 +83,7 @@ class SignDecay(Rule):
     Array([0.9 , 2.05], dtype=float32)
     """
 
-    weight_decay: Hyper = 1e-3
-    _nonneg = ("weight_decay",)
+    weight_decay: Hyper = nonneg(1e-3)
 
     def apply(self, state, x, dx, *dxs):
         return state, dx + as_compute(self.weight_decay, x) * jnp.sign(x)
@@ -108,8 +106,7 @@ class ClipGrad(Rule):
     Array([0.95, 2.05], dtype=float32)
     """
 
-    delta: Hyper = 10.0
-    _nonneg = ("delta",)
+    delta: Hyper = nonneg(10.0)
 
     def init(self, x):
         if jnp.iscomplexobj(x):
@@ -160,10 +157,8 @@ class ClipNorm(Rule):
     Array([0.94, 1.92], dtype=float32)
     """
 
-    max_norm: Hyper = 10.0
-    p: float = 2
-    _static = ("p",)
-    _nonneg = ("max_norm",)
+    max_norm: Hyper = nonneg(10.0)
+    p: float = static(2)
 
     def __post_init__(self):
         super().__post_init__()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from .._base.export import register_for_export
 from .average import refuse_ema_in_chain
+from .fields import count, nonneg, static, steps, unit
 from .schedules import Hyper
 from .protocol import (Gated, Replace, Rule, compute_dtype, apply_all, apply_one, apply_step, average_of,
                        clip_factor, gate_state, is_rule, skip_unless, sum_squares, where)
@@ -165,8 +166,7 @@ class AccumGrad(Rule):
     Array([-1.,  0.], dtype=float32)
     """
 
-    n: int | jax.Array = 1
-    _counts = ("n",)
+    n: int | jax.Array = count(1)
 
     def init(self, x):
         return AccumGradState(jnp.zeros_like(x), jnp.ones((), jnp.int32))
@@ -205,9 +205,8 @@ class MixedPrecision(Rule):
     Array([0.988281, 1.99219], dtype=bfloat16)
     """
 
-    dtype: Any = jnp.float32
+    dtype: Any = static(jnp.float32)
     rule: Any = None
-    _static = ("dtype",)
     _across = False     # per parameter; its inner rule may look across
 
     def __init__(self, dtype: Any = jnp.float32, rule: Any = None):
@@ -281,8 +280,7 @@ class ClipGlobalNorm(Rule):
     {'a': Array([-0.6], dtype=float32), 'b': Array([-0.8], dtype=float32)}
     """
 
-    max_norm: Hyper = 1.0
-    _nonneg = ("max_norm",)
+    max_norm: Hyper = nonneg(1.0)
     _across = True      # one norm over the parameters that share the rule (see `optim._rules.protocol.looks_across`)
     _formula = "clip"
 
@@ -416,12 +414,9 @@ class SkipLargeUpdates(Rule):
     """
 
     rule: Any = None
-    sigma: Hyper = 6.0
-    warmup: int | jax.Array = 100
-    norm_decay: Hyper = 0.99
-    _nonneg = ("sigma",)
-    _unit = ("norm_decay",)
-    _steps = ("warmup",)
+    sigma: Hyper = nonneg(6.0)
+    warmup: int | jax.Array = steps(100)
+    norm_decay: Hyper = unit(0.99)
     _across = True      # one norm, and one decision, for the parameters that share the rule
 
     def __init__(self, rule: Any, sigma: Hyper = 6.0, warmup: int | jax.Array = 100, norm_decay: Hyper = 0.99):

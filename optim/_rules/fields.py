@@ -1,0 +1,118 @@
+"""`optim.fields`: constructors that put a hyperparameter's contract on the field itself.
+
+    class Adam(Rule):
+        lr: Hyper = fields.nonneg(0.001)
+        beta: tuple[Hyper, Hyper] = fields.unit((0.9, 0.999))
+        mu_dtype: Any = fields.static(None)
+
+Each is `dataclasses.field(default=..., metadata={KEY: contract})`. `Rule.__init_subclass__` reads the contracts
+(`contract_tuples`) into the class tuples `_static`, `_nonneg`, ... that the constructor, `adjust` and the pytree
+registration read, merged with any tuples a class declares by hand (the older form, still accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["nonneg", "unit", "decay", "signed", "count", "steps", "static", "flag"]
+
+KEY = "optim"   # the metadata key; its value is one contract, a key of TUPLES
+
+# contract -> the class tuples that list a field with it (a flag is static too: it picks the program)
+TUPLES: dict[str, tuple[str, ...]] = {
+    "nonneg": ("_nonneg",), "unit": ("_unit",), "decay": ("_decay",), "signed": ("_signed",),
+    "count": ("_counts",), "steps": ("_steps",), "static": ("_static",), "flag": ("_static", "_flags"),
+}
+NAMES = ("_static", "_nonneg", "_unit", "_decay", "_signed", "_counts", "_steps", "_flags")
+_CONTRACT = {v: k for k, v in TUPLES.items()}   # ("_static", "_flags") -> "flag", ...
+
+
+def _field(contract: str, default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={KEY: contract})
+
+
+def nonneg(default: Any = dataclasses.MISSING) -> Any:
+    """A hyperparameter that is finite and >= 0 (`lr`, `eps`); with a tuple default, each of its numbers."""
+    return _field("nonneg", default)
+
+
+def unit(default: Any = dataclasses.MISSING) -> Any:
+    """A decay rate in [0, 1), one a rule bias-corrects for (`beta`); with a tuple default, each number."""
+    return _field("unit", default)
+
+
+def decay(default: Any = dataclasses.MISSING) -> Any:
+    """A decay rate in [0, 1], 1 included (`rho`)."""
+    return _field("decay", default)
+
+
+def signed(default: Any = dataclasses.MISSING) -> Any:
+    """A hyperparameter that is finite, of any sign (`Scale`'s `f`)."""
+    return _field("signed", default)
+
+
+def count(default: Any = dataclasses.MISSING) -> Any:
+    """An integer >= 1, kept an integer (`AccumGrad`'s `n`)."""
+    return _field("count", default)
+
+
+def steps(default: Any = dataclasses.MISSING) -> Any:
+    """A number of steps: an integer >= 0, kept an integer (a warmup)."""
+    return _field("steps", default)
+
+
+def static(default: Any = dataclasses.MISSING) -> Any:
+    """A structural field (a dtype, a size): fixed at construction, part of the treedef, not a leaf that
+    `adjust` could change."""
+    return _field("static", default)
+
+
+def flag(default: Any = dataclasses.MISSING) -> Any:
+    """A structural switch (static): True or False, nothing else (a string such as "no" would be true)."""
+    return _field("flag", default)
+
+
+def declared(cls: type) -> dict[str, str]:
+    """`{field name: contract}` of the fields `cls` itself declares with a constructor above; read from the class
+    body before the dataclass machinery replaces each `Field` by its default."""
+    return {n: v.metadata[KEY] for n, v in vars(cls).items()
+            if isinstance(v, dataclasses.Field) and KEY in v.metadata}
+
+
+def _by_name(owner: str, tuples: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """`{name: contract}` from class tuples; a name in two of them (other than a flag's pair) is refused."""
+    where: dict[str, list[str]] = {}
+    for attr in NAMES:
+        for n in tuples.get(attr, ()):
+            where.setdefault(n, []).append(attr)
+    out = {}
+    for n, attrs in where.items():
+        contract = _CONTRACT.get(tuple(attrs))
+        if contract is None:
+            if attrs == ["_flags"]:
+                raise TypeError(f"{owner}: field {n!r} is a flag but not static: a flag picks the program, "
+                                f"so it must be listed in _static too (or declared with flag(...))")
+            raise TypeError(f"{owner}: field {n!r} has two contracts ({', '.join(attrs)}); give it one")
+        out[n] = contract
+    return out
+
+
+def contract_tuples(cls: type, own: dict[str, str], fields: list[str]) -> dict[str, tuple[str, ...]]:
+    """The class tuples of `cls`, a dataclass by now, by name: each field's contract is the one declared nearest
+    to `cls` (its own `Field`s and hand tuples, else what its bases derived), so a subclass that gives a field a
+    new plain default keeps the field's contract, and one that declares another contract replaces it. `own` is
+    `declared(cls)`, `fields` the names of its fields (in order: the tuples list them in that order)."""
+    owner = cls.__name__
+    inherited = {a: next((vars(b)[a] for b in cls.__mro__[1:] if a in vars(b)), ()) for a in NAMES}
+    by_hand = _by_name(owner, {a: vars(cls)[a] for a in NAMES if a in vars(cls)})
+    for n, c in own.items():
+        if n in by_hand and by_hand[n] != c and (c, by_hand[n]) != ("flag", "static"):
+            raise TypeError(f"{owner}: field {n!r} has two contracts ({c} on the field, {by_hand[n]} in the "
+                            f"class tuples); give it one")
+    merged = {**_by_name(owner, inherited), **by_hand, **own}
+    missing = [n for n in merged if n not in fields]
+    if missing:
+        raise TypeError(f"{owner}: {', '.join(map(repr, missing))} declared with a contract but not a field of "
+                        f"{owner} (fields: {', '.join(fields)})")
+    return {a: tuple(n for n in fields if a in TUPLES.get(merged.get(n), ())) for a in NAMES}
