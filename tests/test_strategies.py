@@ -120,3 +120,14 @@ def test_rules_setup_and_adjust_do_not_import_the_engine_strategies():
             if isinstance(node, ast.ImportFrom):
                 names = {(node.module or "").rpartition(".")[2]} | {a.name for a in node.names}
                 assert not names & forbidden, f"{f.relative_to(root)} imports {names & forbidden}"
+
+
+def test_a_later_update_enters_no_engine_module():
+    """A later eager call only looks its plan up: the engine's switches are read inline (no call into a strategy),
+    so no module of the engine is entered (`python -m bench.path` counts it)."""
+    from bench.path import measure
+
+    for name in ("Adam", "AdaGrad"):       # one the kernel runs, one XLA's path runs
+        later = measure(name)["later"]["files"]
+        assert later == ["_base/cache.py", "_base/tree.py", "_core/program.py", "_core/state.py",
+                         "_core/update.py"], (name, later)
