@@ -157,7 +157,7 @@ def test_zero1_every_rule_on_explicit_and_auto_axes_matches_one_device(cases):
     rec = cases["zero1_every_rule"]
     assert rec["ok"], f"{rec.get('error')}\n{rec.get('traceback', '')}"
     assert rec["runs"] == ["Explicit_eager", "Explicit_jit", "Auto_eager", "Auto_jit"]
-    assert rec["missing"] == [], f"rules exported by optim but not in zero1_cases.every_rule: {rec['missing']}"
+    assert rec["missing"] == [], f"rules exported by optim in no `zero1` case of rule_cases.RULES: {rec['missing']}"
     assert {"Muon", "Rprop", "AccumGrad", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "ClipGlobalNorm",
             "EMA", "SkipNonFinite"} <= set(rec["worst"])
     assert max(rec["worst"].values()) < 1e-4, rec["worst"]

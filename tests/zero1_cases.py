@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optim  # noqa: E402
+from rule_cases import classes_in, table  # noqa: E402
 
 N_DEV = pc.N_DEV
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -389,41 +390,14 @@ def device_errors(mesh) -> dict:
 
 # ------------------------------------------------------------------------------------------- 4. every rule
 def every_rule() -> dict:
-    """A rule per exported rule class (the stateless stages in chains), by the top-level key of the model."""
-    adam = optim.Adam(0.01)
-    return {
-        "Descent": optim.Descent(0.1), "Momentum": optim.Momentum(0.1), "Nesterov": optim.Nesterov(0.1),
-        "Rprop": optim.Rprop(0.01), "RMSProp": optim.RMSProp(0.01), "Adam": adam, "RAdam": optim.RAdam(0.01),
-        "AdaMax": optim.AdaMax(0.01), "OAdam": optim.OAdam(0.01), "AdaGrad": optim.AdaGrad(0.1),
-        "AdaDelta": optim.AdaDelta(), "AMSGrad": optim.AMSGrad(0.01), "NAdam": optim.NAdam(0.01),
-        "AdamW": optim.AdamW(0.01, weight_decay=0.1), "AdaBelief": optim.AdaBelief(0.01), "Lion": optim.Lion(0.01),
-        "ADOPT": optim.ADOPT(0.01),
-        "AdEMAMix": optim.AdEMAMix(0.01, beta3=0.99, weight_decay=0.1),
-        "Cautious": optim.Cautious(optim.AdamW(0.01, weight_decay=0.1)),
-        "CautiousChain": optim.Cautious(optim.chain(optim.ClipGlobalNorm(0.5), optim.AdamW(0.01, weight_decay=0.1))),
-        "WeightDecay": optim.chain(optim.WeightDecay(0.1), optim.Descent(0.1)),
-        "SignDecay": optim.chain(optim.SignDecay(0.01), optim.Descent(0.1)),
-        "ClipGrad": optim.chain(optim.ClipGrad(0.5), optim.Descent(0.1)),
-        "ClipNorm": optim.OptimiserChain(optim.ClipNorm(0.5), adam), "Scale": optim.chain(adam, optim.Scale(0.5)),
-        "Adafactor": optim.Adafactor(0.01),
-        "AdafactorFactored": optim.Adafactor(0.01, min_dim_size_to_factor=8, momentum=0.9),
-        "Lamb": optim.Lamb(0.01), "Lars": optim.Lars(1.0, weight_decay=0.01),
-        "ScheduleFreeAdamW": optim.ScheduleFreeAdamW(0.01), "AccumGrad": optim.chain(optim.AccumGrad(2), adam),
-        "MixedPrecision": optim.MixedPrecision(jnp.float32, adam),
-        "StochasticRounding": optim.StochasticRounding(adam, seed=1),
-        "ClipGlobalNorm": optim.chain(optim.ClipGlobalNorm(0.5), adam), "SkipNonFinite": optim.SkipNonFinite(adam),
-        "SkipLargeUpdates": optim.SkipLargeUpdates(adam, warmup=1), "EMA": optim.EMA(adam, decay=0.9),
-        "Muon": optim.Muon(0.02), "MuonAdaptive": optim.Muon(0.02, adaptive=True, nesterov=False, weight_decay=0.1),
-        "SOAP": optim.SOAP(0.01, precondition_frequency=1),
-        "Prodigy": optim.Prodigy(estim_lr0=1e-2, weight_decay=0.01), "DoG": optim.DoG(reps_rel=1e-2),
-    }
+    """A rule per exported rule class (the stateless stages in chains), by the top-level key of the model: the
+    registry's `zero1` cases (`rule_cases.py`: a new rule is one entry there)."""
+    return {c.id: c.make() for c in table("zero1")}
 
 
 def rule_classes(rule) -> set[str]:
     """The class names of `rule` and of the rules inside it (chains, wrappers)."""
-    inner = list(getattr(rule, "rules", ())) + ([rule.rule] if isinstance(getattr(rule, "rule", None), optim.Rule)
-                                                else [])
-    return {type(rule).__name__}.union(*(rule_classes(r) for r in inner))
+    return {c.__name__ for c in classes_in(rule)}
 
 
 def case_zero1_every_rule(_ref) -> dict:
