@@ -13,11 +13,14 @@ demo: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[demo]'
 	$(BIN)/python examples/train_tied_lm.py
 
+# The kernel compiled by the install is kept in build/ (setup.py: OPTIM_KERNEL_CACHE), where the packaging test's
+# wheel build takes it instead of compiling it again.
+test: export OPTIM_KERNEL_CACHE = $(CURDIR)/build/kernel-cache
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	$(BIN)/python -m ruff check optim tests examples bench notebooks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site   # the docs site (build/ is ignored by git)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/shards.py -q   # the suite as pytest processes at once, one a core (tests/shards.py)
 
 bench: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[bench]'

@@ -15,6 +15,10 @@ jaxlib whose headers it was compiled against and their FFI API version. A build 
 one beside an existing kernel (another source, other flags, another jaxlib) deletes that kernel before compiling,
 so a stale one is never reused, even when the new compile fails; `optim._engine.fused` compares the record's FFI
 API version with the running jaxlib's before loading the kernel.
+
+`OPTIM_KERNEL_CACHE=folder` keeps each kernel compiled there under the hash of its record, and a build whose
+record is there copies it instead of compiling (the same sources, flags and jaxlib give the same kernel): `make
+test` sets it, so that the wheel its packaging test builds takes the kernel its editable install compiled.
 """
 
 import hashlib
@@ -97,6 +101,24 @@ def _compile_at_once(compiler) -> None:
     compiler.compile = compile
 
 
+def _cached(record: dict) -> str | None:
+    """Where `OPTIM_KERNEL_CACHE` keeps the kernel built from `record` (None: no cache)."""
+    folder = os.environ.get("OPTIM_KERNEL_CACHE")
+    if not folder:
+        return None
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
+    return os.path.join(folder, f"{key}.so")
+
+
+def _keep(kernel: str, record: dict) -> None:
+    """Put `kernel` (built from `record`) in the cache, if there is one and it is not there yet."""
+    cached = _cached(record)
+    if cached and os.path.exists(kernel) and not os.path.exists(cached):
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        shutil.copy2(kernel, cached + ".part")
+        os.replace(cached + ".part", cached)     # whole or not at all: another build may be reading the cache
+
+
 def _remove(*paths: str) -> None:
     for path in paths:
         if os.path.exists(path):
@@ -131,13 +153,24 @@ class BuildFused(build_ext):
                     shutil.copy2(os.path.join(os.path.dirname(kernel), RECORD), record_path)
                 print(f"optim: the fused CPU kernel {kernel} is up to date (same source, flags and jaxlib)",
                       file=sys.stderr)
+                _keep(kernel, record)
                 return
         _remove(path, record_path)   # built from other sources or against another jaxlib: never reused
+        cached = _cached(record)
+        if cached and os.path.exists(cached):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            shutil.copy2(cached, path)
+            with open(record_path, "w") as f:
+                json.dump(record, f, indent=1)
+            print(f"optim: the fused CPU kernel taken from OPTIM_KERNEL_CACHE ({cached}: same source, flags and "
+                  "jaxlib)", file=sys.stderr)
+            return
         ext.include_dirs.append(headers)
         _compile_at_once(self.compiler)
         super().build_extension(ext)   # optional=True: a failed compile is reported and the install goes on
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
+        _keep(path, record)
 
     def copy_extensions_to_source(self):
         """Editable installs: the kernel and its record beside the sources, or neither where none was built (a

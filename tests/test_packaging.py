@@ -402,11 +402,7 @@ def test_a_kernel_built_before_is_rebuilt_when_its_source_or_jaxlib_changes(tmp_
     record = kernel.with_name("_fused_kernel.json")
 
     def build(compiler) -> str:
-        env = {**os.environ, "CC": str(compiler), "CXX": str(compiler), "LDSHARED": f"{compiler} -shared"}
-        r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", "out"], cwd=src, env=env,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr      # the kernel is optional: a failed compile is no failed install
-        return r.stderr
+        return _build_ext(src, compiler)
 
     build(fake)
     assert kernel.read_text().startswith("built from")
@@ -427,6 +423,41 @@ def test_a_kernel_built_before_is_rebuilt_when_its_source_or_jaxlib_changes(tmp_
     assert not kernel.exists() and not record.exists()
     build(fake)
     assert json.loads(record.read_text())["source_sha256"] != first["source_sha256"]
+
+
+def _build_ext(src: Path, compiler, cache: Path | None = None) -> str:
+    """`setup.py build_ext` of the copy `src` into `src/out` with `compiler`, and `OPTIM_KERNEL_CACHE=cache` (unset
+    without: `make test` sets it); returns what it printed on stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "OPTIM_KERNEL_CACHE"}
+    env.update({"CC": str(compiler), "CXX": str(compiler), "LDSHARED": f"{compiler} -shared"})
+    if cache is not None:
+        env["OPTIM_KERNEL_CACHE"] = str(cache)
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", "out"], cwd=src, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr      # the kernel is optional: a failed compile is no failed install
+    return r.stderr
+
+
+def test_a_kernel_in_optim_kernel_cache_is_taken_instead_of_compiled(tmp_path):
+    """With `OPTIM_KERNEL_CACHE`, a compiled kernel is kept under its record's hash, and another build of the same
+    record (here without a compiler) copies it; a changed source misses the cache (and, without a compiler, builds
+    nothing)."""
+    src = _copy_work_tree(tmp_path / "src")
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_COMPILER.format(python=sys.executable))
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    kernel = src / "out" / "optim" / "_engine" / "_fused_kernel.so"
+    _build_ext(src, fake, cache)
+    built = kernel.read_text()
+    assert built.startswith("built from") and [p.read_text() for p in cache.iterdir()] == [built]
+    shutil.rmtree(src / "out")
+    assert "taken from OPTIM_KERNEL_CACHE" in _build_ext(src, "false", cache)
+    assert kernel.read_text() == built
+    cc = src / "optim" / "_engine" / "fused.cc"
+    cc.write_text(cc.read_text() + "\n// another source\n")
+    _build_ext(src, "false", cache)
+    assert not kernel.exists()
 
 
 def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path):
