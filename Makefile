@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench dist test-min-jax gpu-kernels gpu-env test-gpu-kernels clean
+.PHONY: demo test docs bench dist test-min-jax gpu-kernels gpu-env test-gpu-kernels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test: $(BIN)/python
 	$(BIN)/python -m ruff check optim tests examples bench notebooks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site   # the docs site (build/ is ignored by git)
 	$(BIN)/python tests/shards.py -q   # the suite as pytest processes at once, one a core (tests/shards.py)
+
+# The docs site alone (build/site), without compiling the kernel (the API pages read the Python sources only).
+docs: export OPTIM_BUILD_FUSED = 0
+docs: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site
 
 bench: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[bench]'

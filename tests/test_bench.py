@@ -23,11 +23,13 @@ BACKGROUND_RUNS = {
     "test_bench_step_quick_mode_runs": (["-m", "bench.step", "--quick", "--only", "char-lm", "--candidates",
                                          ",".join(STEP_CANDIDATES), "--timeout", "900", "--out", "{out}/RESULTS.md"],
                                         {}),
-    "test_bench_lowmem_quick_mode_runs": (["-m", "bench.lowmem", "--quick", "--out", "{out}/LOWMEM.md"], {}),
+    "test_bench_lowmem_quick_mode_runs": (["-m", "bench.lowmem", "--quick", "--out", "{out}/LOWMEM.md"],
+                                          {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}),
     "test_bench_gpu_quick_mode_runs": (["-m", "bench.gpu", "--quick", "--sizes", "100x160k", "--rounds", "1",
                                         "--target", "0.01", "--json", "{out}/GPU.json", "--md", "{out}/GPU.md"],
                                        {"OPTIM_FUSED": "0", "OPTIM_GROUP": "all"}),
-    # XLA's optimisations off: the compiles (one per optimiser) dominate and the speed is not what is checked.
+    # XLA's optimisations off (here and for lowmem): the compiles (one per optimiser) dominate and the speed is
+    # not what is checked.
     "test_bench_choosing_runs": (["-m", "bench.choosing", "--size", "test", "--steps", "40", "--rounds", "1",
                                   "--inner", "1", "--out", "{out}/CHOOSING.md"],
                                  {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}),

@@ -1,12 +1,12 @@
 """`update`: one jitted computation over the deduplicated parameters of a model.
 
-Reading order: `update` (what runs per call) -> `_core` (the traced computation: check the arrays, sum each
-tie's gradients once in `_tie_sums`, step each rule's stacks, write the new values back). How a rule's stacks
-step is the engine's: a registered strategy where one applies (`optim._engine.strategies`; on CPU the fused
-kernel, `optim._engine.fused`), else XLA's path (`optim._engine.xla`). The static plan that maps the model's
-positions and gradient leaves to parameters, built once per structure and cached, is `optim._core.program`; the
-norms of
-`return_stats=True` are `optim._core.stats`.
+Reading order: `update` (what runs per call) -> `_core` (the traced computation: `_check` the arrays, sum each
+tie's gradients once in `_tie_sums`, step each rule's stacks, `_write_back` the new values). How a rule's stacks
+step is the engine's, through its one interface, `optim._engine.strategies.run(Request) -> Result`: a
+registered strategy where one applies (on CPU the fused kernel, `optim._engine.fused`), else XLA's path
+(`optim._engine.xla`, the fallback). The static plan that maps the model's positions and gradient leaves to
+parameters, built once per structure and cached, is `optim._core.program`; the norms of `return_stats=True` are
+`optim._core.stats`.
 
 Inside `_core`, each stack of parameters (`Layout.stacks`: same rule, shape, dtype, placement) runs its rule
 once, vmapped over the stack's state, so the program has a handful of kernels per stack plus one small kernel per
