@@ -20,7 +20,7 @@ test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	$(BIN)/python -m ruff check optim tests examples bench notebooks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site   # the docs site (build/ is ignored by git)
-	$(BIN)/python tests/shards.py -q   # the suite as pytest processes at once, one a core (tests/shards.py)
+	$(BIN)/python tests/shards.py -q --durations=30   # the suite as pytest processes at once (tests/shards.py)
 
 # The docs site alone (build/site), without compiling the kernel (the API pages read the Python sources only).
 docs: export OPTIM_BUILD_FUSED = 0

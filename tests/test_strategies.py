@@ -21,14 +21,16 @@ def test_the_kernel_is_registered_and_xla_is_the_fallback():
 
 
 def test_the_switches_key_the_program_cache(monkeypatch):
-    """A program compiled with the kernel on is not reused with it off (the key reads the switches inline)."""
+    """A program compiled with the kernel on is not reused with it off (the key reads the switches inline), and
+    the one compiled with it on is found again when it is back on."""
     m = {**model(), "only_here": jnp.ones(11)}
     state = optim.setup(optim.Adam(0.01), m)
-    optim.update(state, m, grads_at(0, m))
-    n = len(_program._PROGRAMS)
+    g = grads_at(0, m)
+    on = _program.plan(state, m, (g,), "update")[0]
     monkeypatch.setattr(_fused, "ENABLED", False)
-    optim.update(state, m, grads_at(0, m))
-    assert len(_program._PROGRAMS) == n + 1
+    off = _program.plan(state, m, (g,), "update")[0]
+    monkeypatch.setattr(_fused, "ENABLED", True)
+    assert off is not on and _program.plan(state, m, (g,), "update")[0] is on
 
 
 def test_a_request_names_its_fields():
