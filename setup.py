@@ -30,6 +30,7 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
@@ -102,21 +103,27 @@ def _compile_at_once(compiler) -> None:
 
 
 def _cached(record: dict) -> str | None:
-    """Where `OPTIM_KERNEL_CACHE` keeps the kernel built from `record` (None: no cache)."""
+    """Where `OPTIM_KERNEL_CACHE` keeps the kernel built from `record`, with the record beside it, as a build
+    leaves them (None: no cache)."""
     folder = os.environ.get("OPTIM_KERNEL_CACHE")
     if not folder:
         return None
     key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
-    return os.path.join(folder, f"{key}.so")
+    return os.path.join(folder, key, KERNEL.rpartition(".")[2] + ".so")
 
 
-def _keep(kernel: str, record: dict) -> None:
-    """Put `kernel` (built from `record`) in the cache, if there is one and it is not there yet."""
-    cached = _cached(record)
-    if cached and os.path.exists(kernel) and not os.path.exists(cached):
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        shutil.copy2(kernel, cached + ".part")
-        os.replace(cached + ".part", cached)     # whole or not at all: another build may be reading the cache
+def _keep(kernel: str, cached: str | None) -> None:
+    """Put `kernel` and the record beside it in the cache, if there is one and they are not there yet."""
+    if cached is None or not os.path.exists(kernel) or os.path.exists(cached):
+        return
+    os.makedirs(os.path.dirname(os.path.dirname(cached)), exist_ok=True)
+    part = tempfile.mkdtemp(dir=os.path.dirname(os.path.dirname(cached)))
+    for name in (kernel, os.path.join(os.path.dirname(kernel), RECORD)):
+        shutil.copy2(name, part)
+    try:
+        os.replace(part, os.path.dirname(cached))   # whole or not at all: another build may be reading the cache
+    except OSError:                                  # another build put it there first
+        shutil.rmtree(part, ignore_errors=True)
 
 
 def _remove(*paths: str) -> None:
@@ -143,34 +150,29 @@ class BuildFused(build_ext):
             _remove(path, record_path)   # nor ship one built before
             return
         record = _record(ext, headers)
-        # An editable install builds in a new folder each time: the kernel beside the sources is the one to reuse.
+        # An editable install builds in a new folder each time: the kernel beside the sources is the one to reuse;
+        # then the cache's (OPTIM_KERNEL_CACHE), which a build of another copy of the sources may have left.
         inplace = self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)[0]
-        for kernel in [path] + ([inplace] if self.editable_mode and inplace != path else []):
+        cached = _cached(record)
+        candidates = [path] + ([inplace] if self.editable_mode and inplace != path else [])
+        candidates += [cached] if cached else []
+        for kernel in candidates:
             if _built_from(kernel, record):
                 if kernel != path:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     shutil.copy2(kernel, path)
                     shutil.copy2(os.path.join(os.path.dirname(kernel), RECORD), record_path)
-                print(f"optim: the fused CPU kernel {kernel} is up to date (same source, flags and jaxlib)",
-                      file=sys.stderr)
-                _keep(kernel, record)
+                where = f"taken from OPTIM_KERNEL_CACHE ({kernel})" if kernel == cached else f"{kernel} is up to date"
+                print(f"optim: the fused CPU kernel {where} (same source, flags and jaxlib)", file=sys.stderr)
+                _keep(path, cached)
                 return
         _remove(path, record_path)   # built from other sources or against another jaxlib: never reused
-        cached = _cached(record)
-        if cached and os.path.exists(cached):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            shutil.copy2(cached, path)
-            with open(record_path, "w") as f:
-                json.dump(record, f, indent=1)
-            print(f"optim: the fused CPU kernel taken from OPTIM_KERNEL_CACHE ({cached}: same source, flags and "
-                  "jaxlib)", file=sys.stderr)
-            return
         ext.include_dirs.append(headers)
         _compile_at_once(self.compiler)
         super().build_extension(ext)   # optional=True: a failed compile is reported and the install goes on
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
-        _keep(path, record)
+        _keep(path, cached)
 
     def copy_extensions_to_source(self):
         """Editable installs: the kernel and its record beside the sources, or neither where none was built (a

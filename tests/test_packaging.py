@@ -439,9 +439,9 @@ def _build_ext(src: Path, compiler, cache: Path | None = None) -> str:
 
 
 def test_a_kernel_in_optim_kernel_cache_is_taken_instead_of_compiled(tmp_path):
-    """With `OPTIM_KERNEL_CACHE`, a compiled kernel is kept under its record's hash, and another build of the same
-    record (here without a compiler) copies it; a changed source misses the cache (and, without a compiler, builds
-    nothing)."""
+    """With `OPTIM_KERNEL_CACHE`, a compiled kernel is kept (with its record) under its record's hash, and another
+    build of the same record (here without a compiler) copies it; a changed source misses the cache (and, without
+    a compiler, builds nothing)."""
     src = _copy_work_tree(tmp_path / "src")
     fake = tmp_path / "fake-c++"
     fake.write_text(FAKE_COMPILER.format(python=sys.executable))
@@ -450,7 +450,8 @@ def test_a_kernel_in_optim_kernel_cache_is_taken_instead_of_compiled(tmp_path):
     kernel = src / "out" / "optim" / "_engine" / "_fused_kernel.so"
     _build_ext(src, fake, cache)
     built = kernel.read_text()
-    assert built.startswith("built from") and [p.read_text() for p in cache.iterdir()] == [built]
+    assert built.startswith("built from") and [p.read_text() for p in cache.glob("*/*.so")] == [built]
+    assert [p.name for p in cache.iterdir()] == [p.parent.name for p in cache.glob("*/*.so")]   # nothing else
     shutil.rmtree(src / "out")
     assert "taken from OPTIM_KERNEL_CACHE" in _build_ext(src, "false", cache)
     assert kernel.read_text() == built
