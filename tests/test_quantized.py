@@ -497,3 +497,52 @@ def test_stochastic_rounding_of_bfloat16_parameters_with_quantized_moments():
     assert isinstance(mu, Q.QuantizedArray) and mu.fmt == optim.q8
     assert optim.state_bytes(s1) < model["w"].size * 1.6
     assert not (np.asarray(m1["w"]) == np.asarray(model["w"])).all()
+
+
+def test_x64_mode_keeps_the_codes_and_the_step_of_float32_mode(tmp_path):
+    """With `jax_enable_x64` (where a Python int is int64) the quantiser stays in int32: it compiled an
+    int32 | int64 that crashed XLA:CPU (exit 139). For q8 and q4 moments of a float32 parameter, x64 mode's
+    codes and scales equal float32 mode's bitwise and its parameters to float32 rounding (x64 mode computes
+    with float64 numbers), and a float64 parameter steps."""
+    script = textwrap.dedent("""
+        import sys
+        import jax, jax.numpy as jnp, numpy as np
+        jax.config.update("jax_enable_x64", sys.argv[1] == "x64")
+        import optim
+        from optim._rules.quantized import QuantizedArray
+
+        out = {}
+        for name, fmt in (("q8", optim.q8), ("q4", optim.q4)):
+            p = {"w": jnp.linspace(-1, 1, 4096, dtype=jnp.float32)}
+            s = optim.setup(optim.Adam(1e-2, mu_dtype=fmt, nu_dtype=fmt), p)
+            g = {"w": jnp.cos(jnp.arange(4096, dtype=jnp.float32))}
+            for _ in range(3):
+                s, p = optim.update(s, p, g)
+            q = [a for a in jax.tree.leaves(s, is_leaf=lambda a: isinstance(a, QuantizedArray))
+                 if isinstance(a, QuantizedArray)]
+            assert len(q) == 2
+            for k, a in enumerate(jax.tree.leaves(q)):
+                out[f"{name}_state_{k}"] = np.asarray(a)
+            out[f"{name}_param"] = np.asarray(p["w"])
+        if sys.argv[1] == "x64":
+            p = {"w": jnp.linspace(-1, 1, 4096, dtype=jnp.float64)}
+            s = optim.setup(optim.Adam(1e-2, mu_dtype=optim.q8), p)
+            s, p = optim.update(s, p, {"w": jnp.ones(4096, jnp.float64)})
+            assert p["w"].dtype == jnp.float64 and np.isfinite(np.asarray(p["w"])).all()
+        np.savez(sys.argv[2], **out)
+    """)
+    path = tmp_path / "x64.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    for mode in ("x32", "x64"):
+        proc = subprocess.run([sys.executable, str(path), mode, str(tmp_path / f"{mode}.npz")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (mode, proc.returncode, proc.stderr[-3000:])
+    a, b = np.load(tmp_path / "x32.npz"), np.load(tmp_path / "x64.npz")
+    assert sorted(a) == sorted(b) and len(a) == 10
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        if "param" in k:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
+        else:
+            assert a[k].tobytes() == b[k].tobytes(), k

@@ -147,22 +147,26 @@ def _map(bits: int, signed: bool) -> tuple[int, int, int]:
 
 
 def _encode(y: jax.Array, bits: int, signed: bool) -> jax.Array:
+    # Every integer is int32, constants included: with jax_enable_x64 a Python int is int64, and XLA:CPU's
+    # compile of an int32 | int64 crashed the process.
     shift, top, base = _map(bits, signed)
+    i32 = lambda v: jnp.asarray(v, jnp.int32)   # noqa: E731
     a = jnp.abs(y) if signed else y
     b = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
-    c = (b - base + (1 << (shift - 1))) >> shift     # the bit pattern rounded to the code's bits
+    c = (b - i32(base) + i32(1 << (shift - 1))) >> i32(shift)     # the bit pattern rounded to the code's bits
     if not signed:
-        return jnp.clip(c, 0, top)
+        return jnp.clip(c, i32(0), i32(top))
     smallest = float(np.array(base + (1 << shift), np.int32).view(np.float32))
-    mag = jnp.where(a < smallest / 2, 0, jnp.clip(c, 1, top))
-    return mag | jnp.where(y < 0, 1 << (bits - 1), 0)
+    mag = jnp.where(a < smallest / 2, i32(0), jnp.clip(c, i32(1), i32(top)))
+    return mag | jnp.where(y < 0, i32(1 << (bits - 1)), i32(0))
 
 
 def _decode(c: jax.Array, bits: int, signed: bool) -> jax.Array:
     shift, top, base = _map(bits, signed)
-    mag = c & top
-    y = jax.lax.bitcast_convert_type(base + (mag << shift), jnp.float32)
+    i32 = lambda v: jnp.asarray(v, jnp.int32)   # noqa: E731
+    mag = c & i32(top)
+    y = jax.lax.bitcast_convert_type(i32(base) + (mag << i32(shift)), jnp.float32)
     if not signed:
         return y
-    y = jnp.where(mag == 0, 0, y)
-    return jnp.where(c > top, -y, y)
+    y = jnp.where(mag == 0, jnp.float32(0), y)
+    return jnp.where(c > i32(top), -y, y)
