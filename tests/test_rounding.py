@@ -348,6 +348,11 @@ def test_grouped_parameters_round_as_they_do_one_a_stack(monkeypatch):
     (lambda: optim.StochasticRounding(optim.Adam(), seed=2 ** 64), ValueError, r"in \[0, 2\^64\)"),
     (lambda: optim.StochasticRounding(optim.MixedPrecision(optim.Adam())), TypeError,
      "MixedPrecision cannot be the rule inside it"),
+    # the other nesting: the inner rule steps the float32 master copy, which StochasticRounding passes through
+    (lambda: optim.MixedPrecision(jnp.float32, optim.StochasticRounding(optim.Adam())), TypeError,
+     "a StochasticRounding inside it would round nothing"),
+    (lambda: optim.MixedPrecision(optim.SkipNonFinite(optim.StochasticRounding(optim.Adam()))), TypeError,
+     "a StochasticRounding inside it would round nothing"),
 ])
 def test_bad_arguments_are_refused(make, err, match):
     with pytest.raises(err, match=match):

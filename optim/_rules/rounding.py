@@ -203,6 +203,7 @@ class StochasticRounding(Rule):
     rule: Any = None
     seed: int = static(0)
     _across = False     # per parameter; its inner rule may look across
+    _rounds_stochastically = True   # MixedPrecision refuses it inside (optim._rules.wrappers)
 
     def __init__(self, rule: Any = None, seed: int = 0):
         if rule is None:

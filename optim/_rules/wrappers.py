@@ -20,7 +20,7 @@ from .average import refuse_ema_in_chain
 from .fields import count, nonneg, static, steps, unit
 from .schedules import Hyper
 from .protocol import (Gated, Replace, Rule, compute_dtype, apply_all, apply_one, apply_step, average_of,
-                       clip_factor, gate_state, is_rule, skip_unless, sum_squares, where)
+                       clip_factor, gate_state, inner_rules, is_rule, skip_unless, sum_squares, where)
 
 __all__ = ["OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "ClipGlobalNorm", "SkipNonFinite",
            "SkipLargeUpdates", "joint_norm"]
@@ -179,6 +179,12 @@ class AccumGrad(Rule):
         return AccumGradState(acc, jnp.where(done, 1, k + 1)), Gated(acc, done)
 
 
+def _rounds_stochastically(rule: Any) -> bool:
+    """Whether `rule`, or a rule inside it, is a `StochasticRounding` (which marks itself so: it imports this
+    module)."""
+    return getattr(rule, "_rounds_stochastically", False) or any(map(_rounds_stochastically, inner_rules(rule)))
+
+
 class MixedPrecision(Rule):
     """Run `rule` on a high-precision master copy kept in the state, then write it back rounded to `x`'s dtype
     (a `Replace` step): `MixedPrecision(jnp.float32, Adam())` for float16 / bfloat16 parameters. It must wrap
@@ -219,6 +225,11 @@ class MixedPrecision(Rule):
                             "MixedPrecision(jnp.float32, Adam(1e-3))")
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.inexact):
             raise TypeError(f"MixedPrecision: {dtype!r} is not a floating dtype")
+        if _rounds_stochastically(rule):
+            # the inner rule steps the float32 master copy, which StochasticRounding passes through unrounded
+            raise TypeError("MixedPrecision: a StochasticRounding inside it would round nothing (it steps the "
+                            f"{jnp.dtype(dtype).name} master copy): use one of them, MixedPrecision(AdamW(1e-3)) "
+                            "or StochasticRounding(AdamW(1e-3))")
         object.__setattr__(self, "dtype", jnp.dtype(dtype))
         object.__setattr__(self, "rule", rule)
 
