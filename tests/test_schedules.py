@@ -468,3 +468,76 @@ def test_adamw_with_wsd_matches_optax_over_30_steps():
                                    [warmup, warmup + stable])
     sched = optim.WSD(peak, warmup, stable, decay, final=final, shape="cosine")
     _adamw_matches_optax(sched, sched_o, seed=1, steps=30)
+
+
+# ------------------------------------------------------------------------------ a schedule where init reads it
+def _constant_fields(rule):
+    """`rule` with each hyperparameter (a number, or each number of a tuple of them) replaced by a `Constant` of
+    it, except those only `init` reads; and the names replaced."""
+    import dataclasses
+    cls, changes = type(rule), {}
+    for f in dataclasses.fields(rule):
+        v = getattr(rule, f.name)
+        if f.name in cls._static + cls._counts + cls._steps + cls._initial:
+            continue
+        if isinstance(v, float):
+            changes[f.name] = optim.Constant(v)
+        elif isinstance(v, tuple) and v and all(isinstance(a, float) for a in v):
+            changes[f.name] = tuple(optim.Constant(a) for a in v)
+    return dataclasses.replace(rule, **changes), sorted(changes)
+
+
+def _defaults():
+    from rule_cases import RULES
+    return [(r.cls.__name__, r.default) for r in RULES if r.default is not None and not r.cls._initial]
+
+
+@pytest.mark.parametrize("name, rule", _defaults(), ids=[n for n, _ in _defaults()])
+def test_every_hyperparameter_may_be_a_schedule_also_where_init_reads_it(name, rule):
+    """A `Constant` in place of each number of a rule's defaults (AMSGrad's ε starts its moments, AdaGrad's its
+    accumulator: `init` reads the schedule's value at step 0) steps exactly as the numbers do."""
+    sched, names = _constant_fields(rule)
+    if not names:
+        pytest.skip(f"{name} has no hyperparameter to schedule")
+    key = jax.random.key(0)
+    model = {"w": jax.random.normal(key, (6, 5)), "v": jnp.linspace(-1.0, 1.0, 5)}
+    if name in ("Muon", "SOAP", "Lars"):
+        model = {"w": model["w"]}
+    got = []
+    for r in (rule, sched):
+        s, m = optim.setup(r, model), model
+        for t in range(3):
+            g = jax.tree.map(lambda a, t=t: jnp.cos(a * (t + 2.0)), m)
+            s, m = optim.update(s, m, g)
+        got.append(m)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}: {names}")
+
+
+def test_a_schedule_for_eps_starts_amsgrad_and_adagrad_at_its_step_0_value():
+    """AMSGrad's moments and AdaGrad's accumulator start at ε: with a schedule, its value at step 0; the steps
+    then read the schedule at each step."""
+    x = {"x": jnp.array([1.0, -2.0])}
+    s = optim.setup(optim.AMSGrad(0.1, eps=optim.Linear(1e-3, 1e-1, 10)), x)
+    np.testing.assert_array_equal(np.asarray(s["x"].state.mu), np.float32(1e-3))
+    s = optim.setup(optim.AdaGrad(0.1, eps=optim.Linear(0.5, 1.5, 2)), x)
+    np.testing.assert_array_equal(np.asarray(s["x"].state), np.float32(0.5))
+    acc = np.full(2, 0.5, np.float32)
+    xs = np.asarray(x["x"])
+    for t, e in enumerate((0.5, 1.0, 1.5)):
+        g = np.array([0.5, -1.0], np.float32)
+        s, x = optim.update(s, x, {"x": jnp.asarray(g)})
+        acc = acc + g * g
+        xs = xs - g * np.float32(0.1) / (np.sqrt(acc) + np.float32(e))
+    np.testing.assert_allclose(np.asarray(x["x"]), xs, rtol=1e-6)
+
+
+def test_a_schedule_for_a_value_only_init_reads_is_refused_by_name():
+    """Rprop's `lr` is its initial step size, read once by `init`: a schedule is refused at construction (and
+    in `adjust`), naming the field, before anything is set up."""
+    with pytest.raises(TypeError, match=r"^Rprop: lr is read once, by init, so a schedule's values after step 0 "):
+        optim.Rprop(lr=optim.Constant(1e-3))
+    s = optim.setup(optim.Rprop(0.1), jnp.ones(3))
+    with pytest.raises(TypeError, match=r"Rprop: lr is read once, by init"):
+        optim.adjust(s, lr=optim.Linear(0.1, 0.0, 10))
+    assert "lr" in optim.Rprop._initial and "lr" in optim.Rprop._nonneg

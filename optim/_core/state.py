@@ -25,6 +25,7 @@ import numpy as np
 from .._base.cache import LRU
 from .._base.export import register_for_export
 from .._engine.pack import fill, pack
+from .._rules.schedules import at_start
 from .._engine.stack import make_stacks, place_stack, row_index, stack_states
 from .._base.tree import describe, flatten, match_positions, show, suggest, unique_index
 
@@ -467,7 +468,8 @@ def _init_shapes(rule: Any, shape: tuple, dtype: Any) -> tuple[Any, tuple | None
     got = _SHAPES.get(key)
     if got is None:
         try:
-            leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(rule.init, jax.ShapeDtypeStruct(shape, dtype)))
+            init = at_start(rule).init
+            leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(init, jax.ShapeDtypeStruct(shape, dtype)))
             got = (treedef, tuple(tuple(a.shape) for a in leaves))
         except Exception:
             got = (None, None)

@@ -16,6 +16,7 @@ import numpy as np
 from .adjust import select
 from .program import flatten_like
 from .._engine.stack import init_stack, reads_nothing
+from .._rules.schedules import at_start
 from .state import Layout, PathError, State, unwrap
 from .._base.tree import PyTree, key_name, show
 
@@ -38,7 +39,7 @@ def reset(state: State, *patterns: str, model: PyTree | None = None) -> State:
     for u in sorted(set(chosen)):
         p = lay.params[u]
         rule = unwrap(state.rules[p.rule])
-        if leaves is None and not reads_nothing(rule.init, jax.ShapeDtypeStruct(p.shape, p.dtype)):
+        if leaves is None and not reads_nothing(at_start(rule).init, jax.ShapeDtypeStruct(p.shape, p.dtype)):
             raise ValueError(f"reset: the state of {show(lay.paths[p.canonical])} depends on the parameter's "
                              "value; pass model=")
         x = leaves[p.canonical] if leaves is not None else np.zeros(p.shape, p.dtype)

@@ -18,6 +18,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from .._base.cache import memoize
 from .._base.tree import canonical_dtype, show
 from .._rules.quantized import QuantizedArray
+from .._rules.schedules import at_start
 
 
 # Stacking rule (measured on XLA:CPU, Adam, `bench/NOTES.md`): for leaves of up to ~8k elements one kernel per
@@ -86,14 +87,15 @@ def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None
     are replicated over the same devices (`stack_shardings`). A host-made initial state is then put there with
     `jax.device_put` (no compiling); an init that reads the parameters runs jitted into those shardings.
     """
+    key, rule = id(rule), at_start(rule)     # the init reads its schedules' values at step 0
     try:
         if sharding is not None:
-            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache)
+            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache, key)
             if proto is not None:
                 return place_stack(stack_states([proto] * len(xs)), sharding, tuple(xs[0].shape))
             return _placed_init(rule, xs, sharding)
         if local if local is not None else all(_local(x) for x in xs):
-            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache)
+            proto = _host_init(rule, tuple(xs[0].shape), canonical_dtype(xs[0].dtype), cache, key)
             if proto is not None:
                 return stack_states([proto] * len(xs))
         return _placed_init(rule, xs)
@@ -113,14 +115,15 @@ def _at(e: Exception, message: str) -> Exception:
     return out if str(out) == message else (TypeError if isinstance(e, TypeError) else ValueError)(message)
 
 
-def _host_init(rule: Any, shape: tuple, dtype: np.dtype, cache: dict | None) -> Any:
+def _host_init(rule: Any, shape: tuple, dtype: np.dtype, cache: dict | None, rule_id: int) -> Any:
     """`rule.init` of a parameter of this shape and dtype as read-only numpy arrays, or None when the init
-    reads the parameter's values. `cache` (one per `setup` call, keyed by the rule object) saves the tracing.
+    reads the parameter's values. `cache` (one per `setup` call, keyed by `rule_id`, the `id` of the rule object
+    `setup` holds: `rule` may be a copy with its schedules at step 0) saves the tracing.
 
     Traced, not run: an array filled with one value (zeros, a constant) becomes a zero-stride view of that value,
     which holds no memory until the first `update` moves it to the device (optax's `init` allocates its zeros
     once; running `rule.init` here allocated them twice more, on the device and as the host copy)."""
-    key = (id(rule), shape, dtype)
+    key = (rule_id, shape, dtype)
     if cache is not None and key in cache:
         return cache[key]
     x = jax.ShapeDtypeStruct(shape, dtype)

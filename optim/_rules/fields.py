@@ -15,16 +15,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["nonneg", "unit", "decay", "signed", "count", "steps", "static", "flag"]
+__all__ = ["nonneg", "initial", "unit", "decay", "signed", "count", "steps", "static", "flag"]
 
 KEY = "optim"   # the metadata key; its value is one contract, a key of TUPLES
 
 # contract -> the class tuples that list a field with it (a flag is static too: it picks the program)
 TUPLES: dict[str, tuple[str, ...]] = {
-    "nonneg": ("_nonneg",), "unit": ("_unit",), "decay": ("_decay",), "signed": ("_signed",),
+    "nonneg": ("_nonneg",), "initial": ("_nonneg", "_initial"), "unit": ("_unit",), "decay": ("_decay",), "signed": ("_signed",),
     "count": ("_counts",), "steps": ("_steps",), "static": ("_static",), "flag": ("_static", "_flags"),
 }
-NAMES = ("_static", "_nonneg", "_unit", "_decay", "_signed", "_counts", "_steps", "_flags")
+NAMES = ("_static", "_nonneg", "_initial", "_unit", "_decay", "_signed", "_counts", "_steps", "_flags")
 _CONTRACT = {v: k for k, v in TUPLES.items()}   # ("_static", "_flags") -> "flag", ...
 
 
@@ -35,6 +35,12 @@ def _field(contract: str, default: Any) -> Any:
 def nonneg(default: Any = dataclasses.MISSING) -> Any:
     """A hyperparameter that is finite and >= 0 (`lr`, `eps`); with a tuple default, each of its numbers."""
     return _field("nonneg", default)
+
+
+def initial(default: Any = dataclasses.MISSING) -> Any:
+    """A value only `init` reads (`Rprop`'s initial step size): finite and >= 0, a number or an array but not a
+    schedule, whose values after step 0 would never be read (refused at construction, naming the field)."""
+    return _field("initial", default)
 
 
 def unit(default: Any = dataclasses.MISSING) -> Any:

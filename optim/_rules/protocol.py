@@ -144,6 +144,7 @@ class Rule:
     # Derived per subclass from its fields' contracts (`optim._rules.fields`) and any tuples it declares by hand.
     _static: ClassVar[tuple[str, ...]] = ()
     _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
+    _initial: ClassVar[tuple[str, ...]] = ()  # read only by init (in `_nonneg` too): no schedule
     _unit: ClassVar[tuple[str, ...]] = ()     # each component in [0, 1) (decay rates that bias-correct: beta)
     _decay: ClassVar[tuple[str, ...]] = ()    # in [0, 1] (rho)
     _signed: ClassVar[tuple[str, ...]] = ()   # finite, any sign (Scale.f)
@@ -198,6 +199,9 @@ class Rule:
                  else "nonneg" if name in cls._nonneg else "any" if name in cls._signed else None)
         if check is None:   # a field this class does not declare (a user rule's): only make integers floating
             return float(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else v
+        if name in cls._initial and _hyper.is_schedule(v):
+            raise TypeError(f"{owner}: {name} is read once, by init, so a schedule's values after step 0 would "
+                            f"never be read; give a number (got {v!r})")
         if name in cls._tuples:
             return _hyper.numbers(owner, name, v, check, cls._tuples[name])
         return _hyper.hyper(owner, name, v, check)

@@ -420,3 +420,12 @@ def resolve(tree: Any, step: Any) -> Any:
     """Replace every schedule in `tree` (a rule) by its value at `step`."""
     return jax.tree.map(lambda v: v(step) if isinstance(v, Schedule) else v, tree,
                         is_leaf=lambda v: isinstance(v, Schedule))
+
+
+def at_start(rule: Any) -> Any:
+    """`rule` with each schedule replaced by its value at step 0, for its `init` (an initial accumulator of ε,
+    AMSGrad's moments started at ε): `rule` itself where it holds no schedule."""
+    if not any(isinstance(v, Schedule) for v in jax.tree.leaves(rule, is_leaf=lambda v: isinstance(v, Schedule))):
+        return rule
+    return resolve(rule, jnp.zeros((), jnp.int32))
+

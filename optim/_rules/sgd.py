@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
-from .fields import decay, nonneg, static, unit
+from .fields import decay, initial, nonneg, static, unit
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, pair_of, as_compute, where
@@ -132,7 +132,8 @@ class Rprop(Rule):
     `step = η ⊙ sign(g_prev)`. Real parameters only (a complex one is a `TypeError` at `setup`).
 
     Args:
-        lr: initial step size η of every element, default 1e-3, >= 0.
+        lr: initial step size η of every element, default 1e-3, >= 0; read only by `init`, so a number, not a
+            schedule.
         ell: `(shrink, grow)` factors (η⁻, η⁺), default (0.5, 1.2), each >= 0.
         gamma: `(min, max)` bounds of the step sizes (Γ_min, Γ_max), default (1e-6, 50.0), each >= 0.
 
@@ -151,7 +152,7 @@ class Rprop(Rule):
     Array([0.9, 2.1], dtype=float32)
     """
 
-    lr: Hyper = nonneg(1e-3)
+    lr: Hyper = initial(1e-3)     # read only by init
     ell: tuple[Hyper, Hyper] = nonneg((0.5, 1.2))
     gamma: tuple[Hyper, Hyper] = nonneg((1e-6, 50.0))
 
