@@ -720,3 +720,32 @@ def test_file_written_before_float_hyperparameters_loads():
     # (a division by β) rounds them an ulp away, which 1 / (1 - β₂ᵗ) amplifies: 8e-7 relative here
     np.testing.assert_allclose(float(model["emb"][0, 0]), -0.02459985576570034, rtol=2e-6)
     np.testing.assert_allclose(float(model["b"][0]), 0.9729401469230652, rtol=2e-6)
+
+
+def test_a_number_adjusted_in_over_a_schedule_loads_with_the_run_s_own_rule(tmp_path):
+    """The guide: adjusted values survive. A run built with schedules that replaced one with a number
+    (`adjust(lr=1e-4)`) loads with like= set up from the run's own rule: the file's number takes the
+    schedule's place, the other schedule stays, and the resumed steps equal the uninterrupted run's bitwise. A
+    schedule adjusted in over a number needs like= with a schedule there: refused, naming the two rules."""
+    rule = optim.chain(optim.ClipGrad(optim.Constant(1.0)), optim.Adam(optim.Cosine(1e-2, 100)))
+    model = {"w": jnp.linspace(-1.0, 1.0, 6), "b": jnp.ones(2)}
+    grads = lambda m, t: jax.tree.map(lambda a: jnp.sin(a * (t + 1.0)), m)   # noqa: E731
+    state = optim.setup(rule, model)
+    state, model = optim.update(state, model, grads(model, 0))
+    state = optim.adjust(state, "w", lr=1e-4)
+    optim.save(tmp_path / "ck.npz", state, model)
+
+    like = optim.setup(rule, jax.tree.map(jnp.zeros_like, model))
+    got, got_model = optim.load(tmp_path / "ck.npz", like=(like, jax.tree.map(jnp.zeros_like, model)))
+    assert got["w"].rule.rules[1].lr == pytest.approx(1e-4) and got["w"].rule.rules[0].delta == optim.Constant(1.0)
+    assert got["b"].rule.rules[1].lr == optim.Cosine(1e-2, 100)
+    for t in (1, 2):
+        state, model = optim.update(state, model, grads(model, t))
+        got, got_model = optim.update(got, got_model, grads(got_model, t))
+    for a, b in zip(jax.tree.leaves((state, model)), jax.tree.leaves((got, got_model))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    plain = optim.setup(optim.Adam(1e-2), model)
+    optim.save(tmp_path / "sched.npz", optim.adjust(plain, lr=optim.Cosine(1e-2, 10)))
+    with pytest.raises(ValueError, match=r"the rule of 'b' differs: the checkpoint has Adam\(lr=Cosine"):
+        optim.load(tmp_path / "sched.npz", like=plain)

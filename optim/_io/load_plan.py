@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .checkpoint_format import (ARRAYS, Malformed, clean, dtype_name, dtype_named, key_type, python_value,
-                                 same_rule_structure, same_state_structure, signature)
+                                 rule_with_saved_numbers, same_rule_structure, same_state_structure, signature)
 from .._core.state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
 from .._rules.moments import powers_from_next
 from .._base.tree import show, structure_diff
@@ -140,6 +140,9 @@ class Plan:
         is rebuilt with."""
         saved = self.meta["rules"][k]
         if not same_rule_structure(saved["structure"], like_rule):
+            # a schedule the run replaced by a number with `adjust`: the file's number is loaded in its place
+            like_rule = rule_with_saved_numbers(saved["structure"], saved["leaves"], like_rule) or like_rule
+        if not same_rule_structure(saved["structure"], like_rule):
             raise Mismatch(f"the rule of {where} differs: the checkpoint has {saved['repr']}, like= has "
                             f"{rule_repr(like_rule)}")
         self.like_rule_of.setdefault(k, like_rule)
@@ -162,6 +165,8 @@ class Plan:
             template = self.like_rule_of.get(k)
             if template is None:
                 template = self.like.rules[k] if k < len(self.like.rules) else None
+                if template is not None and not same_rule_structure(saved["structure"], template):
+                    template = rule_with_saved_numbers(saved["structure"], saved["leaves"], template) or template
                 if template is None or not same_rule_structure(saved["structure"], template):
                     raise Mismatch(f"the checkpoint's rule {saved['repr']} has no counterpart in like=")
             leaves, treedef = jax.tree_util.tree_flatten(template)

@@ -23,6 +23,15 @@ shifts it back: no table, no search, a few integer operations a number.
   ≈ 2.6e-10; a number in range is stored within 6.25% of its value); 4 bits, 1 mantissa bit (signed 1/8,
   unsigned 1.5·2⁻⁸ ≈ 1/171).
 
+A block shares its scale, so a non-finite number reaches its neighbours. A finite gradient of 1e30 overflows
+`|g|²` to inf: in float32 that element's `v` stays inf and the element stops for good; stored in blocks, the
+scale is inf and the block's 255 (q8) or 127 (q4) other numbers of `v` read back as inf too, so they stop
+with it. This is kept (decided, not an oversight): storing inf as the block's largest finite number instead
+would let the element itself take steps of `m / √v` with `m` ~ 1e29, and a scale of the largest float32 stops
+the neighbours as surely (their `v` is stored as at least its smallest code times that scale). An element
+clip before the rule (`chain(ClipGrad(δ), AdamW(..., nu_dtype=q8))`) keeps `|g|²` finite and nothing stops;
+`SkipNonFinite` does not see a finite gradient whose square overflows.
+
 Parameters with fewer than `Quantized.min_size` (4096) numbers keep their moments unquantised, in the dtype the
 rule's default gives them (biases, norms' gains: a few per cent of a model's numbers, where a block's scale
 would cost as much as the codes save). A complex parameter of that size cannot be stored so: `setup` raises a
