@@ -204,12 +204,21 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         n_out = sum(sp.out_known)
         known_outs, res = outs[:n_out], outs[n_out:]
         res_batched = sp.batched[n_out:]
+        if len(plans) > 1:
+            # Each stack its own residual arrays, behind a barrier: stacks reading rows of one shared array were
+            # fused by XLA:GPU into one multi-output kernel (a shared operand of more than one number is a
+            # "profitable" sibling), which then read every stack's new moments back from memory instead of
+            # computing them in the kernel that writes the parameter (36 bytes a parameter of Adam, not 28).
+            per = jax.lax.optimization_barrier([[r[s] if b else r for r, b in zip(res, res_batched)]
+                                                for s in range(len(plans))])
+        else:
+            per = [[r[0] if b else r for r, b in zip(res, res_batched)]]
         # Output k of the step is state leaf k while k < the state's leaf count (the state comes first).
         at = np.cumsum(sp.out_known) - 1
         whole = {k: int(at[k]) for k in small_at if sp.out_known[k] and sp.batched[at[k]]}
         for s, (i, sp_i, _, _, _, wides, state_def) in enumerate(plans):
             unknown = jax.extend.core.jaxpr_as_fun(sp_i.unknown)
-            u_outs = iter(unknown(*[r[s] if b else r for r, b in zip(res, res_batched)], *wides, xs[i], *dxs[i]))
+            u_outs = iter(unknown(*per[s], *wides, xs[i], *dxs[i]))
             flat = []
             for k, kn in enumerate(sp_i.out_known):
                 if not kn:

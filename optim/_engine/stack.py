@@ -35,8 +35,14 @@ ANY = "any"
 # In `make_stacks`' `wide`: `(GROUPED, r)` marks rule `r` as one whose large parameters XLA's path groups
 # (`optim._engine.group`): stacked like the kernel's, at most `GROUP_MAX_ELEMENTS` elements a stack.
 GROUPED = "grouped"
-# A group's elements at most: 16M (64 MB of float32): a GPT-2 layer's matrices, or 100 of 400x400, are one group.
+# A group's elements at most: 16M (64 MB of float32): 100 of 400x400 are one group.
 GROUP_MAX_ELEMENTS = 1 << 24
+# A grouped member's elements at most: 512k. On XLA's path a group's step moves 8 bytes a parameter more than one
+# parameter's own step (Adam: 36 against 28, the floor: the new moments are written by one kernel and read back
+# by the parameters' kernels) and saves about one kernel a member (~2.5 us of device time). Past ~1M float32
+# elements the bytes cost more than the kernel (8 MB at an H100's ~3 TB/s); a GPT-2's matrices (590k to 2.4M)
+# step alone, one pass each, as optax's (bench/NOTES.md, the deviceless bytes).
+GROUP_MAX_MEMBER = 1 << 19
 # The dtypes of parameters and state arrays that optim's fused CPU kernel reads (optim/_engine/fused.cc).
 KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -54,7 +60,7 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     out: list[list[int]] = []
     for u, p in enumerate(params):
         size = math.prod(p.shape)
-        grouped = (GROUPED, p.rule) in wide and size <= GROUP_MAX_ELEMENTS // 2
+        grouped = (GROUPED, p.rule) in wide and size <= GROUP_MAX_MEMBER
         if size > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not (
                 (p.rule in wide or grouped) and p.place is None and p.state_place is None
                 and p.dtype in KERNEL_FLOATS):
