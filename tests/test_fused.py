@@ -8,6 +8,7 @@ kernel is a failure here, not a skip.
 """
 
 import functools
+import logging
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from bench.program import entry_counts
 from optim._engine import backend as _backend
 from optim._engine import fused as _fused
 from optim._engine import fused_kinds as _kinds
+from optim._engine import pack as _pack
 from rule_cases import RULES as REGISTRY, table
 # The model (ties, single and multi-member stacks, a scalar) and gradients (None at a single stack, a row, half a
 # tie) of tests/test_pack.py, and its comparison to a few ulp of each array's scale.
@@ -369,6 +371,75 @@ def test_not_used_where_it_does_not_apply(monkeypatch):
     assert "optim_fused" not in jax.jit(optim.update).lower(optim.setup(optim.Adam(0.1), x), x, x).as_text()
     monkeypatch.setattr(_fused, "ENABLED", False)
     assert not uses_kernel(optim.Adam(0.01))
+
+
+@pytest.mark.parametrize("name", ["Adam", "RAdam", "AdEMAMix", "EMA(AdaBelief)", "SkipNonFinite(AdamW)"])
+def test_a_parameter_shaped_like_the_powers_runs_in_the_kernel(name, monkeypatch):
+    """A 2-element parameter is shaped like the Adam family's powers `bt` = (β₁ᵗ, β₂ᵗ). The state declares `bt`
+    small (`AdamState._small`), so it is packed whatever the parameter's shape, and every stack of the rule runs
+    in the kernel (`bt` was stored per stack for `b`, and the kernel refused the whole rule)."""
+    rule = RULES[name]
+    m0 = {"a": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.asarray([0.25, -0.75])}
+    assert uses_kernel_on(rule, m0, m0)
+
+    def run(fused):
+        monkeypatch.setattr(_fused, "ENABLED", fused)
+        state, m = optim.setup(rule, m0), m0
+        for t in range(3):
+            state, m = optim.update(state, m, jax.tree.map(lambda a: jnp.cos(a * (t + 1)) + 0.1 * t, m))
+        return state, m
+
+    state, m = run(True)
+    want_state, want = run(False)
+    assert_ulp(m, want)
+    assert_ulp(optim.state_dict(state), optim.state_dict(want_state), ulps=KERNEL[name].state_ulps)
+
+
+def test_each_refusal_names_its_cause(monkeypatch, caplog):
+    """The kernel's refusals of a stack's state each say what is wrong (they shared "a state of another
+    structure"): a tree that is not the rule's wrappers around its state, a core state of other leaves, an array
+    where the kernel reads a packed leaf or the reverse, a gate's own state that is not numbers per parameter."""
+    from optim._rules.adam import AdamState
+
+    # A state that does not declare its small leaves: a bt shaped like the parameter is not packed (pack.py's
+    # fallback), and the debug log names the leaf.
+    monkeypatch.delattr(AdamState, "_small")
+    m = {"a": jnp.ones(3), "b": jnp.ones(2), "only_here_undeclared": jnp.ones(13)}
+    with caplog.at_level(logging.DEBUG, logger="optim"):
+        optim.update(optim.setup(optim.Adam(0.01), m), m, m)
+    assert any("optim's fused CPU kernel does not run Adam here: Adam's small state leaf .bt is not packed (it is "
+               "float32[1, 2]" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    monkeypatch.undo()
+
+    requests = []
+    refuse = _fused.KERNEL.refuse
+    monkeypatch.setattr(_fused.KERNEL, "refuse", lambda r: requests.append(r) or refuse(r))
+    m = {"only_here_refusals": jnp.ones(17)}
+    optim.update(optim.setup(optim.SkipNonFinite(optim.Adam(0.01)), m), m, m)
+    (req,) = requests
+    (st,) = req.stored                       # SkipNonFiniteState(AdamState(mu, nu, bt), skipped)
+    assert refuse(req) is None and isinstance(st.inner.bt, _pack.Packed)
+
+    def why(tree):
+        return refuse(req._replace(stored=(tree,)))
+
+    inner = st.inner
+    reasons = [
+        why(None),
+        why(st._replace(inner=(*inner, inner.mu))),
+        why(st._replace(inner=inner._replace(mu=inner.bt))),
+        why(st._replace(inner=inner._replace(bt=jnp.ones((1, 2))))),
+        why(st._replace(skipped=jnp.zeros((1, 100), jnp.int32))),
+    ]
+    assert reasons == [
+        "a state tree that is not the nesting of the rule's wrappers and chain (its structure is not the rule's "
+        "init's)",
+        "Adam's state has 4 leaves where the kernel reads 2 arrays and 1 packed small leaves",
+        "Adam's state leaf .mu is packed where the kernel reads an array",
+        "Adam's small state leaf .bt is not packed (it is float32[1, 2]; a stack stored as it is: batch axes, or a "
+        "state whose small leaves are not declared)",
+        "SkipNonFinite's own state leaf is not a few numbers per parameter (it is int32[1, 100] for a stack of 1)",
+    ]
 
 
 def test_environment_variable_turns_it_off():

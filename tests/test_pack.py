@@ -6,6 +6,12 @@ a few ulp of each array's scale, through `None` gradients, frozen and tied param
 groups. The compiled program is checked for size (kernels and copies per parameter, against optax's), not for time.
 """
 
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,6 +160,92 @@ def test_vmapped_state_reads_back():
     two = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), state)       # batch axes in front of the packs
     assert np.shape(two["b"].state.bt) == (2, 2)
     np.testing.assert_allclose(two["b"].state.bt[1], [2, 2])
+
+
+def test_the_state_declares_its_small_leaves():
+    """Which leaves are small is the state class's to say (`AdamState._small = ("bt",)`), not their shape: a
+    2-element parameter's `bt`, shaped like it, is packed as a 3-element one's is (it was stored per stack, and
+    the kernel then refused every stack of the rule). Declarations are read at any depth of a state."""
+    state = optim.setup(optim.Adam(0.01), {"a": jnp.ones(3), "b": jnp.ones(2)})
+    assert all(isinstance(s.bt, _pack.Packed) for s in state.stored)
+    assert [np.shape(a) for a in jax.tree.leaves(state.packs)] == [(2, 2)]
+    np.testing.assert_allclose(state["b"].state.bt, [1, 1])
+    # EMAState(RAdamState(mu, nu, bt, t), average): RAdam declares bt and t, EMA nothing
+    assert _pack.declared_small(optim.EMA(optim.RAdam(0.01)).init(jnp.ones(2))) == [False, False, True, True, False]
+    assert _pack.declared_small({"count": jnp.zeros((), jnp.int32), "v": jnp.ones(2)}) == [False, False]
+
+
+_SHARDED_TINY = """
+import jax, jax.numpy as jnp, numpy as np, optim
+from jax.sharding import NamedSharding, PartitionSpec as P
+from optim._engine import pack
+mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+m = {"a": jnp.ones(4), "b": jnp.asarray([0.5, -1.0])}
+state = optim.setup(optim.Adam(0.1), m, state_sharding=lambda path, x: NamedSharding(mesh, P("d")))
+assert all(isinstance(s.bt, pack.Packed) for s in state.stored)
+assert [a.sharding.spec for a in jax.tree.leaves(state.packs)] == [P(None, None)]
+step = jax.jit(lambda s, m, g: optim.update(s, m, g))
+x = m
+for _ in range(2):
+    state, x = step(state, x, m)
+np.testing.assert_allclose(state["b"].state.bt, [0.81, 0.998001], rtol=1e-6)
+print("ok")
+"""
+
+
+def test_a_declared_small_leaf_of_a_sharded_state_is_packed_replicated():
+    """ZeRO-1 places a stack's arrays by their shape (those shaped like the parameter are sharded as its state
+    is): a 2-element parameter's `bt` comes sharded, and is packed replicated, as every pack is (joined as it came,
+    the pack's pieces have different shardings; stored per stack, Adam could not slice a sharded `bt`)."""
+    out = subprocess.run([sys.executable, "-c", _SHARDED_TINY], capture_output=True, text=True, timeout=600,
+                         cwd=pathlib.Path(__file__).parent.parent,
+                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert out.stdout.split() == ["ok"], out.stderr[-3000:]
+
+
+class _Pair(NamedTuple):
+    m: Any              # like the parameter
+    c: Any              # two numbers per parameter
+
+
+class _DeclaredPair(NamedTuple):
+    m: Any
+    c: Any
+    _small = ("c",)
+
+
+class _PairRule(optim.Rule):
+    lr: float = 0.1
+    make = _Pair
+
+    def init(self, x):
+        return self.make(jnp.zeros_like(x), jnp.ones(2, x.dtype))
+
+    def apply(self, state, x, dx, *dxs):
+        m, c = 0.9 * state.m + dx, state.c * jnp.asarray([0.5, 0.25], state.c.dtype)
+        return self.make(m, c), self.lr * m * (c[0] + c[1])
+
+
+class _DeclaredPairRule(_PairRule):
+    make = _DeclaredPair
+
+
+def test_a_state_that_declares_nothing_is_packed_by_shape():
+    """A user's state without `_small`: a leaf of at most `SMALL` numbers per parameter is small when it is not
+    shaped like the parameter (or not a float); one shaped like it is per element. Declaring it packs it for
+    every parameter; the steps are the same."""
+    m = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    plain, declared = optim.setup(_PairRule(), m), optim.setup(_DeclaredPairRule(), m)
+    assert sorted(isinstance(s.c, _pack.Packed) for s in plain.stored) == [False, True]     # b's c is like b
+    assert all(isinstance(s.c, _pack.Packed) for s in declared.stored)
+    x, y = m, m
+    for t in range(3):
+        g = jax.tree.map(lambda a: jnp.cos(a * (t + 1)), m)
+        plain, x = optim.update(plain, x, g)
+        declared, y = optim.update(declared, y, g)
+    assert_ulp(y, x)
+    np.testing.assert_allclose(declared["b"].state.c, [0.5 ** 3, 0.25 ** 3])
+    np.testing.assert_allclose(plain["b"].state.c, [0.5 ** 3, 0.25 ** 3])
 
 
 def counts(f, *args):

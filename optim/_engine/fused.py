@@ -234,6 +234,40 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
     return oks, pack_rows, new_extras
 
 
+def _shape_of(a: Any) -> str:
+    return f"{jnp.dtype(a.dtype).name}{list(np.shape(a))}" if hasattr(a, "shape") else type(a).__name__
+
+
+def _at(path: tuple) -> str:
+    return f" {jax.tree_util.keystr(path)}" if path else ""
+
+
+def _core_state(plan: _Plan, kind: int, tree: Any) -> str | None:
+    """Why a stack's stored state tree is not what the kernel reads for `plan` (None: it is): the nesting of the
+    plan's wrappers and chain, then the core rule's `ARRAYS[kind]` arrays followed by its `PACKED[kind]` packed
+    small leaves (optim._engine.fused_kinds). A small leaf is packed where the state declares it
+    (optim._engine.pack); one stored as it is (a stack with batch axes, an init that does not trace abstractly)
+    sends the rule to XLA's path."""
+    try:
+        core = _open(plan, tree)[0]
+    except (TypeError, IndexError, KeyError):
+        return ("a state tree that is not the nesting of the rule's wrappers and chain (its structure is not "
+                "the rule's init's)")
+    got = jax.tree_util.tree_flatten_with_path(core, is_leaf=is_packed)[0]
+    arrays, packed = kinds.ARRAYS[kind], kinds.PACKED[kind]
+    name = type(plan.core).__name__
+    if len(got) != arrays + packed:
+        return (f"{name}'s state has {len(got)} leaves where the kernel reads {arrays} arrays and {packed} packed "
+                "small leaves")
+    for j, (path, a) in enumerate(got):
+        if j < arrays and is_packed(a):
+            return f"{name}'s state leaf{_at(path)} is packed where the kernel reads an array"
+        if j >= arrays and not is_packed(a):
+            return (f"{name}'s small state leaf{_at(path)} is not packed (it is {_shape_of(a)}; a "
+                    "stack stored as it is: batch axes, or a state whose small leaves are not declared)")
+    return None
+
+
 def _single_device(place: Any) -> bool:
     return place is None or len(getattr(place, "device_set", ())) == 1
 
@@ -274,15 +308,12 @@ class Kernel(Strategy):
                 return f"a parameter of dtype {jnp.dtype(p.dtype).name}"
             if p.state_place is not None or not _single_device(p.place):
                 return "a sharded parameter or state (a custom call would gather it)"
-            try:
-                core, avg, extras = _open(plan, tree)
-            except (TypeError, IndexError):
-                return "a state of another structure"
+            why = _core_state(plan, kind, tree)
+            if why is not None:
+                return why
+            core, avg, extras = _open(plan, tree)
             leaves = jax.tree_util.tree_flatten(core, is_leaf=is_packed)[0]
             wide = [a for a in leaves if not is_packed(a)]
-            tail = [is_packed(a) for a in leaves[len(wide):]]      # the packed leaves come after the arrays
-            if len(wide) != kinds.ARRAYS[kind] or tail != [True] * kinds.PACKED[kind]:
-                return "a state of another structure"
             if plan.ema is not None:
                 if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
                     return "an EMA average that is not a float32 array"
@@ -294,11 +325,12 @@ class Kernel(Strategy):
                     return "a state array of another shape or dtype"
                 if traced_sharded(a):
                     return "a sharded state array"
-            for e in extras:      # the gates' own states: numbers per parameter (packed, or a stack of them)
-                for a in jax.tree_util.tree_flatten(e, is_leaf=is_packed)[0]:
+            for gate, e in zip(plan.gates, extras):   # their own states: numbers per parameter (packed, or a stack)
+                for path, a in jax.tree_util.tree_flatten_with_path(e, is_leaf=is_packed)[0]:
                     if not is_packed(a) and (not hasattr(a, "shape") or np.shape(a)[:1] != (n,)
                                              or np.size(a) > 8 * n or traced_sharded(a)):
-                        return "a state of another structure"
+                        return (f"{type(gate).__name__}'s own state leaf{_at(path)} is not a few numbers per "
+                                f"parameter (it is {_shape_of(a)} for a stack of {n})")
         return None
 
     def run(self, request: Request) -> Result:

@@ -11,10 +11,16 @@ placeholder: a pytree node without children, so the plan (which pack, which rows
 static and compared by value. `fill` puts the rows back (slices); `update` instead runs the rule's small
 arithmetic once per pack group on whole packs (`optim._engine.hoist`).
 
-A leaf is small when one parameter's part of it has at most `SMALL` elements and is not shaped like the
-parameter, unless it is not a float (a step count of a scalar parameter is small: the kernel reads counts from
-packs, optim._engine.fused_kinds). Packing only changes how the arrays are stored: `state.stacks`,
-`state[path]`, `state_dict` and checkpoints see the same per-stack trees as before.
+Which leaves are small is the state's to say: a state class (a named tuple) lists its fields that hold a few
+numbers per parameter, whatever the parameter's shape, in a class attribute `_small` (`AdamState._small =
+("bt",)`); every leaf under such a field is small when one parameter's part of it has at most `SMALL` elements
+(`declared_small`). This holds for any parameter: a 2-element parameter's `bt` is shaped like it, and still small
+(the kernel reads `bt` from packs, optim._engine.fused_kinds, so an unpacked one would send every stack of the
+rule to XLA's path). A leaf no class declares (a user's rule, a dict state) is small by the fallback: at most
+`SMALL` elements per parameter and not shaped like the parameter, unless it is not a float (a step count of a
+scalar parameter is small); an undeclared float leaf shaped like the parameter is per element. Packing only
+changes how the arrays are stored: `state.stacks`, `state[path]`, `state_dict` and checkpoints see the same
+per-stack trees as before.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import numpy as np
 
 from .._base.export import register_for_export
 
-__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble"]
+__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
+           "declared_small"]
 
 SMALL = 8               # elements per parameter: bt (2), counts (1); Adafactor's row statistics are not small
 PACK_MAX_ROWS = 64      # rows per pack group; XLA's compile time grows with the slices taken from one array
@@ -60,6 +67,30 @@ def _leaves(tree: Any) -> tuple[list, Any]:
     return jax.tree_util.tree_flatten(tree, is_leaf=is_packed)
 
 
+def _declares(node: Any) -> bool:
+    return (isinstance(node, tuple) and hasattr(type(node), "_fields")
+            and isinstance(getattr(type(node), "_small", None), tuple))
+
+
+def declared_small(tree: Any) -> list[bool]:
+    """Per leaf of a state tree (flatten order, `Packed` placeholders as leaves): whether it lies under a field
+    that its state class declares small (`_small`, a tuple of field names on a named tuple), at any depth (an
+    `EMAState`'s inner `AdamState`'s `bt`). A declared field's whole subtree is small; the other fields are
+    searched for declarations of their own."""
+    nodes, _ = jax.tree_util.tree_flatten(tree, is_leaf=lambda a: is_packed(a) or _declares(a))
+    out: list[bool] = []
+    for node in nodes:
+        if not _declares(node):
+            out.append(False)          # a leaf (or a placeholder) that no state class declares
+            continue
+        small, mine = type(node)._small, []
+        for name, field in zip(node._fields, node):
+            mine += [True] * len(_leaves(field)[0]) if name in small else declared_small(field)
+        # (a named tuple registered as a pytree of other children: its declaration is not read)
+        out += mine if len(mine) == len(_leaves(node)[0]) else [False] * len(_leaves(node)[0])
+    return out
+
+
 def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]:
     """Stored stacks and packs from per-stack trees. `member_shapes[g]`: per leaf of stack `g` (flatten order),
     one parameter's shape of that leaf, or None when unknown (the stack is then stored as it is).
@@ -79,9 +110,9 @@ def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]
             stored.append(stack)
             continue
         small = []
-        for i, (a, s) in enumerate(zip(leaves, shapes)):
+        for i, (a, s, declared) in enumerate(zip(leaves, shapes, declared_small(stack))):
             if (s is not None and hasattr(a, "shape") and tuple(a.shape) == (n, *s) and math.prod(s) <= SMALL
-                    and (tuple(s) != tuple(p.shape) or not jnp.issubdtype(a.dtype, jnp.inexact))):
+                    and (declared or tuple(s) != tuple(p.shape) or not jnp.issubdtype(a.dtype, jnp.inexact))):
                 small.append(i)
         if not small:
             stored.append(stack)
@@ -98,8 +129,9 @@ def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]
         start = rows[k]
         rows[k] += n
         new = list(leaves)
+        place = _small_place(p)
         for t, i in enumerate(small):
-            parts[k][t].append(leaves[i])
+            parts[k][t].append(_placed(leaves[i], place))
             new[i] = Packed(k, t, start, start + n, leaves[i].ndim - 1)
         stored.append(treedef.unflatten(new))
     packs = tuple(tuple(_concat(col) for col in group) for group in parts)
@@ -114,6 +146,18 @@ def _small_place(p: Any) -> Any:
     where = p.state_place if p.state_place is not None else p.place
     places = None if where is None else stack_shardings(where)
     return where if places is None else places[1]
+
+
+def _placed(a: Any, place: Any) -> Any:
+    """A small leaf where its pack lives: replicated over the mesh of a requested or sharded placement. `setup`
+    places a stack's arrays by their shape (one shaped like the parameter is sharded like its state), so a
+    declared small leaf of a parameter of its shape (a 2-element parameter's `bt`) comes sharded."""
+    if not isinstance(place, jax.sharding.NamedSharding) or not isinstance(a, jax.Array):
+        return a
+    if isinstance(a, jax.core.Tracer):
+        from .stack import constrain
+        return constrain(a, place)
+    return a if a.sharding.is_equivalent_to(place, a.ndim) else jax.device_put(a, place)
 
 
 def _concat(arrays: list) -> Any:

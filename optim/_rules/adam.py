@@ -26,6 +26,7 @@ class AdamState(NamedTuple):
     mu: Any              # first moment
     nu: Any              # second moment
     bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
+    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 @register_for_export
@@ -34,6 +35,7 @@ class RAdamState(NamedTuple):
     nu: Any
     bt: Any
     t: Any               # the step number, int32
+    _small = ("bt", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 @register_for_export
@@ -41,6 +43,7 @@ class AdaMaxState(NamedTuple):
     mu: Any
     u: Any               # exponentially weighted infinity norm
     bt: Any
+    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 @register_for_export
@@ -49,6 +52,7 @@ class OAdamState(NamedTuple):
     nu: Any
     bt: Any
     term: Any            # the previous step's term, T_prev
+    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 @register_for_export
@@ -63,6 +67,7 @@ class AdaBeliefState(NamedTuple):
     mu: Any
     s: Any               # the "belief" second moment of g - m
     bt: Any
+    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class Adam(StateDtypes, Rule):

@@ -25,6 +25,7 @@ class AdEMAMixState(NamedTuple):
     mu_slow: Any         # the slow first moment m₂ (decay β₃, not bias-corrected)
     nu: Any              # second moment
     bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
+    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class AdEMAMix(StateDtypes, Rule):

@@ -25,6 +25,7 @@ class ADOPTState(NamedTuple):
     mu: Any              # first moment of the normalised gradients
     nu: Any              # second moment of the gradients
     t: Any               # the number of steps taken, int32 (0: the next one only sets nu)
+    _small = ("t",)      # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 def clip_bound(t, dtype):

@@ -67,6 +67,7 @@ def _axes(v: Any) -> tuple[int, ...] | None:
 class MuonState(NamedTuple):
     mu: Any              # the momentum
     count: Any           # the parameter's number of steps, int32
+    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class Muon(StateDtypes, Rule):

@@ -74,6 +74,7 @@ class ProdigyState(NamedTuple):
     d: Any               # the copy of the step size estimate d (0-d; not read while t = 0)
     numerator: Any       # the copy of the weighted numerator r of d's estimate (0-d)
     t: Any               # the number of whole-model steps this copy belongs to, int32
+    _small = ("d", "numerator", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class Prodigy(Rule):
@@ -199,6 +200,7 @@ class DoGState(NamedTuple):
     r: Any               # the copy of r̄, the largest distance from x₀ so far (0-d)
     g2: Any              # the copy of G, the sum of the squared gradient norms so far (0-d)
     t: Any               # the number of whole-model steps this copy belongs to, int32
+    _small = ("r", "g2", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class DoG(Rule):

@@ -22,6 +22,7 @@ class ScheduleFreeState(NamedTuple):
     nu: Any              # the second moment
     t: Any               # the number of the next step, int32
     a: Any               # (S, η_max, β₁'): the averaging sum, the largest warmed-up η, the β₁ that built y
+    _small = ("t", "a")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 class ScheduleFreeAdamW(Rule):

@@ -30,6 +30,7 @@ class SOAPState(NamedTuple):
     factors: Any         # tuple: per preconditioned axis, its Kronecker factor (d x d, compute dtype)
     bases: Any           # tuple: per preconditioned axis, the eigenbasis of its factor (d x d, compute dtype)
     count: Any           # the number of gradients seen, int32 (0: the next one only builds factors and bases)
+    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 def preconditioned_axes(shape: tuple[int, ...], max_precond_dim: int, precondition_1d: bool) -> tuple[int, ...]:
