@@ -1,19 +1,28 @@
 """The docs' figures, drawn from the results the benchmarks wrote (`python -m bench.figures`).
 
 Each figure is drawn from data in the repository, never by re-running a benchmark: bench/RESULTS.json (the step
-time ratios), bench/CHOOSING.json and bench/LOWMEM.json (loss curves), the schedules themselves, and one run cheap
-enough to compute here (the tie drift: a few dozen steps of a tiny tied model, optax against optim). They are
-written to docs/images/ and the pages show them; tests/test_figures.py draws each again into a temporary folder
-and checks that the committed PNG is the same file, byte for byte, so a figure cannot go stale behind its data.
+time ratios), bench/CHOOSING.json and bench/LOWMEM.json (loss curves), and two computations cheap enough to run
+here: the schedules themselves and the tie drift (a few dozen steps of a tiny tied model, optax against optim).
+They are written to docs/images/ and the pages show them. A figure (`figures()[name]`) is its data (`.data()`:
+every number and label it draws) and its drawing (`.draw(data, path)`).
 
-For that the PNG must depend on nothing but the data: matplotlib's defaults (not the user's matplotlibrc), a
-fixed size and resolution, the fonts matplotlib ships, no metadata (`Software` would name matplotlib's version),
-and numbers rounded to 4 significant digits before they are drawn, so that a last-bit difference in a computed
-run (another CPU's vector width) cannot move a pixel.
+tests/test_figures.py checks that no figure is stale, without depending on this CPU's rounding:
 
-    python -m bench.figures                    # every figure into docs/images/
+- a figure read from a results file is drawn again from that file and must be the committed PNG byte for byte.
+  What it draws is computed the same on every machine: sums by `math.fsum`, rounding by Python's formatting
+  (both correctly rounded), no vectorised numpy path whose last bits depend on the CPU;
+- a computed figure (schedules, tie drift) runs float32 JAX, whose last bits do depend on the CPU: what it drew
+  is recorded in bench/FIGURES.json. The test computes the data again and compares it with the record within the
+  figure's tolerance (`Figure.tolerance`), then draws the *recorded* data and requires the committed PNG byte
+  for byte (the picture is that data, drawn by this code).
+
+For the byte comparisons the PNG must depend on nothing but the data: matplotlib's defaults (not the user's
+matplotlibrc), a fixed size and resolution, the fonts matplotlib ships, no metadata (`Software` would name
+matplotlib's version), and numbers rounded to 4 significant digits before they are drawn.
+
+    python -m bench.figures                    # every figure into docs/images/ (and bench/FIGURES.json)
     python -m bench.figures --only tie-drift   # one of them
-    python -m bench.figures --out /tmp/figs    # somewhere else
+    python -m bench.figures --out /tmp/figs    # somewhere else (the records in /tmp/figs/FIGURES.json)
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +43,8 @@ IMAGES = ROOT / "docs" / "images"
 # `python -m bench.gpu --md bench/GPU.md --json bench/GPU.json` on a machine with a GPU writes this; until it is
 # committed there is no GPU chart (the docs say no GPU numbers are measured yet).
 GPU_RESULTS = BENCH / "GPU.json"
+# What the computed figures drew (their data, keyed by file name), written with their PNGs.
+RECORDS = BENCH / "FIGURES.json"
 
 DPI = 110
 STYLE = {
@@ -49,12 +62,11 @@ STYLE = {
 }
 
 
-def _round(a, digits: int = 4) -> np.ndarray:
-    """Numbers to `digits` significant digits: what is drawn does not depend on a computation's last bits."""
-    a = np.asarray(a, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(a == 0, 1.0, 10.0 ** (digits - 1 - np.floor(np.log10(np.abs(a)))))
-    return np.round(a * scale) / scale
+def _round(a, digits: int = 4) -> list[float]:
+    """Numbers to `digits` significant digits, as Python floats. Python's formatting rounds correctly, so the same
+    numbers give the same result on every machine (numpy's log10 and round would not: their vectorised paths
+    depend on the CPU)."""
+    return [float(f"{float(v):.{digits}g}") for v in np.ravel(np.asarray(a, dtype=np.float64))]
 
 
 @contextlib.contextmanager
@@ -96,16 +108,23 @@ RATIO_CANDIDATES = {   # name in the results: (legend, colour)
 }
 
 
-def step_ratios(path: Path, results: Path = BENCH / "RESULTS.json", where: str = "CPU") -> None:
-    """Adam's step time relative to optax's, per workload and candidate: the benchmarks page's summary table."""
+def step_ratios_data(results: Path = BENCH / "RESULTS.json", where: str = "CPU") -> dict:
+    """The workloads with results, and each candidate's step time relative to optax's on each (None: not run)."""
     sections = json.loads(results.read_text())["sections"]
     workloads = [w for w in WORKLOAD_LABELS if sections.get(w, {}).get("rows")]
+    return {"where": where, "workloads": workloads,
+            "ratios": {name: [sections[w]["rows"].get(name, {}).get("vs_optax") for w in workloads]
+                       for name in RATIO_CANDIDATES}}
+
+
+def draw_step_ratios(d: dict, path: Path) -> None:
+    workloads = d["workloads"]
     width = 0.8 / len(RATIO_CANDIDATES)
     with _figure(path, figsize=(10.4, 4.0)) as fig:
         ax = fig.subplots()
         for i, (name, (label, colour)) in enumerate(RATIO_CANDIDATES.items()):
             xs = np.arange(len(workloads)) + (i - (len(RATIO_CANDIDATES) - 1) / 2) * width
-            vals = [sections[w]["rows"].get(name, {}).get("vs_optax") for w in workloads]
+            vals = d["ratios"][name]
             got = [(x, v) for x, v in zip(xs, vals) if v is not None]
             bars = ax.bar([x for x, _ in got], _round([v for _, v in got], 3), width * 0.92, color=colour,
                           label=label)
@@ -119,9 +138,14 @@ def step_ratios(path: Path, results: Path = BENCH / "RESULTS.json", where: str =
         ax.set_ylabel("step time / optax's (lower is faster)")
         ax.set_ylim(0, 4.6)
         ax.grid(axis="x", visible=False)
-        ax.set_title(f"Adam's step, relative to a jitted optax.adam step in the same round ({where})")
+        ax.set_title(f"Adam's step, relative to a jitted optax.adam step in the same round ({d['where']})")
         ax.legend(loc="upper right", ncols=2, frameon=False)
         fig.tight_layout()
+
+
+def step_ratios(path: Path, results: Path = BENCH / "RESULTS.json", where: str = "CPU") -> None:
+    """Adam's step time relative to optax's, per workload and candidate: the benchmarks page's summary table."""
+    draw_step_ratios(step_ratios_data(results, where), path)
 
 
 GPU_CANDIDATES = {   # bench.gpu's row names: (legend, colour)
@@ -132,20 +156,25 @@ GPU_CANDIDATES = {   # bench.gpu's row names: (legend, colour)
 }
 
 
-def gpu_ratios(path: Path, results: Path = GPU_RESULTS) -> None:
-    """`python -m bench.gpu`'s results: Adam's step time relative to optax's on the GPU, per workload."""
+def gpu_ratios_data(results: Path = GPU_RESULTS) -> dict:
+    """`python -m bench.gpu`'s results: the device, and per workload each candidate's step time / optax's."""
     data = json.loads(results.read_text())
-    workloads = list(data["workloads"])
-    names = [n for n in GPU_CANDIDATES if any(n in w["rows"] for w in data["workloads"].values())]
+    return {"device": data["device"],
+            "ratios": {w: {n: r.get("ratio") for n, r in v["rows"].items() if n in GPU_CANDIDATES}
+                       for w, v in data["workloads"].items()}}
+
+
+def draw_gpu_ratios(d: dict, path: Path) -> None:
+    workloads = list(d["ratios"])
+    names = [n for n in GPU_CANDIDATES if any(n in rows for rows in d["ratios"].values())]
     width = 0.8 / len(names)
-    top = max([1.0] + [r["ratio"] for w in data["workloads"].values() for n, r in w["rows"].items()
-                       if n in names and r.get("ratio") is not None])
+    top = max([1.0] + [v for rows in d["ratios"].values() for v in rows.values() if v is not None])
     with _figure(path, figsize=(7.2, 3.8)) as fig:
         ax = fig.subplots()
         for i, name in enumerate(names):
             label, colour = GPU_CANDIDATES[name]
             xs = np.arange(len(workloads)) + (i - (len(names) - 1) / 2) * width
-            got = [(x, data["workloads"][w]["rows"].get(name, {}).get("ratio")) for x, w in zip(xs, workloads)]
+            got = [(x, d["ratios"][w].get(name)) for x, w in zip(xs, workloads)]
             got = [(x, v) for x, v in got if v is not None]
             bars = ax.bar([x for x, _ in got], _round([v for _, v in got], 3), width * 0.92, color=colour,
                           label=label)
@@ -155,16 +184,21 @@ def gpu_ratios(path: Path, results: Path = GPU_RESULTS) -> None:
         ax.set_ylabel("step time / optax's (lower is faster)")
         ax.grid(axis="x", visible=False)
         ax.set_ylim(0, 1.45 * top)   # room for the legend
-        ax.set_title(f"Adam's step, relative to a jitted optax.adam step ({data['device']})")
+        ax.set_title(f"Adam's step, relative to a jitted optax.adam step ({d['device']})")
         ax.legend(loc="upper left", frameon=False, fontsize=7)
         fig.tight_layout()
+
+
+def gpu_ratios(path: Path, results: Path = GPU_RESULTS) -> None:
+    """Adam's step time relative to optax's on the GPU, per workload."""
+    draw_gpu_ratios(gpu_ratios_data(results), path)
 
 
 # ------------------------------------------------------------------------------------------------- tie drift
 TIE_STEPS = 40
 
 
-def tie_drift_data(steps: int = TIE_STEPS) -> dict[str, np.ndarray]:
+def tie_drift_data(steps: int = TIE_STEPS) -> dict[str, list[float]]:
     """A tiny language model whose embedding is also its output projection (one array at two paths), trained by
     `optax.adam` and by `optim.Adam` on the same batches: the distance between the two copies at the start and
     after each step, and the tied matrix's entry [0, 0] at both paths."""
@@ -212,8 +246,7 @@ def tie_drift_data(steps: int = TIE_STEPS) -> dict[str, np.ndarray]:
     return {k: _round(v) for k, v in out.items()}
 
 
-def tie_drift(path: Path) -> None:
-    d = tie_drift_data()
+def draw_tie_drift(d: dict, path: Path) -> None:
     steps = np.arange(len(d["optax distance"]))
     with _figure(path, figsize=(9.6, 3.4)) as fig:
         a, b = fig.subplots(1, 2)
@@ -227,6 +260,10 @@ def tie_drift(path: Path) -> None:
         b.set(xlabel="step", ylabel="value", title="one entry of the tied matrix, at both paths")
         b.legend(frameon=False)
         fig.tight_layout()
+
+
+def tie_drift(path: Path) -> None:
+    draw_tie_drift(tie_drift_data(), path)
 
 
 # ------------------------------------------------------------------------------------------------ schedules
@@ -255,19 +292,26 @@ def schedule_cases() -> list[tuple[str, list[tuple[str | None, Callable]]]]:
     ]
 
 
-def schedules(path: Path) -> None:
-    """Each public schedule's value at steps 0 to SCHEDULE_STEPS - 1, one small panel each."""
+def schedules_data() -> dict:
+    """Each public schedule's value at steps 0 to SCHEDULE_STEPS - 1: panel title -> line label ("": none) ->
+    values."""
     import jax.numpy as jnp
 
-    cases = schedule_cases()
     t = np.arange(SCHEDULE_STEPS)
+    return {title: {label or "": _round(np.broadcast_to(np.asarray(s(jnp.asarray(t))), t.shape))
+                    for label, s in lines}
+            for title, lines in schedule_cases()}
+
+
+def draw_schedules(d: dict, path: Path) -> None:
+    """One small panel per schedule."""
     with _figure(path, figsize=(10.4, 4.6)) as fig:
         axes = fig.subplots(2, 5, sharex=True, sharey=True).ravel()
-        for ax, (title, lines) in zip(axes, cases):
-            for label, s in lines:
-                ax.plot(t, _round(np.broadcast_to(np.asarray(s(jnp.asarray(t))), t.shape)), lw=1.6, label=label)
+        for ax, (title, lines) in zip(axes, d.items()):
+            for label, values in lines.items():
+                ax.plot(np.arange(len(values)), values, lw=1.6, label=label or None)
             ax.set_title(title, fontsize=7.5)
-            if lines[0][0] is not None:
+            if next(iter(lines)):
                 ax.legend(frameon=False, fontsize=6.5, loc="lower center")
         for ax in axes[5:]:
             ax.set_xlabel("step")
@@ -277,39 +321,57 @@ def schedules(path: Path) -> None:
         fig.tight_layout()
 
 
+def schedules(path: Path) -> None:
+    draw_schedules(schedules_data(), path)
+
+
 # ------------------------------------------------------------------------------------------------ loss curves
-def _running_mean(c, k: int) -> tuple[np.ndarray, np.ndarray]:
-    c = np.asarray(c, dtype=np.float64)
-    smooth = np.convolve(c, np.ones(k) / k, mode="valid")
-    return np.arange(len(smooth)) + k, _round(smooth)
+def _running_mean(c, k: int) -> list[list[float]]:
+    """The steps and the means of k consecutive values, each sum correctly rounded (math.fsum): the same on every
+    machine."""
+    c = [float(v) for v in c]
+    smooth = [math.fsum(c[i:i + k]) / k for i in range(len(c) - k + 1)]
+    return [list(range(k, k + len(smooth))), _round(smooth)]
 
 
-def choosing_loss(path: Path, results: Path = BENCH / "CHOOSING.json") -> None:
-    """The choosing page's comparison: each optimiser's training loss on the demo LM (running mean)."""
+def choosing_loss_data(results: Path = BENCH / "CHOOSING.json") -> dict:
+    """The choosing page's comparison: each optimiser's training loss on the demo LM (running mean of k steps)."""
     data = json.loads(results.read_text())
     k = data.get("k", 20)
+    return {"k": k, "n_params": data["n_params"], "steps": data["steps"],
+            "rows": {name: {"held_out_loss": r["held_out_loss"], "curve": _running_mean(r["losses"], k)}
+                     for name, r in data["rows"].items()}}
+
+
+def draw_choosing_loss(d: dict, path: Path) -> None:
     with _figure(path, figsize=(8.0, 4.0)) as fig:
         ax = fig.subplots()
-        for name, r in data["rows"].items():
-            x, y = _running_mean(r["losses"], k)
-            ax.plot(x, y, lw=1.4, label=f"{name} (held-out {r['held_out_loss']:.3f})")
-        ax.set(xlabel="step", ylabel=f"training loss, nats per character (mean of {k} steps)", ylim=(2.2, 3.6),
-               title=f"the demo's tied character LM ({data['n_params']:,} parameters), "
-                     f"{data['steps']} steps, same batches")
+        for name, r in d["rows"].items():
+            ax.plot(*r["curve"], lw=1.4, label=f"{name} (held-out {r['held_out_loss']:.3f})")
+        ax.set(xlabel="step", ylabel=f"training loss, nats per character (mean of {d['k']} steps)", ylim=(2.2, 3.6),
+               title=f"the demo's tied character LM ({d['n_params']:,} parameters), "
+                     f"{d['steps']} steps, same batches")
         ax.legend(frameon=False, ncols=2)
         fig.tight_layout()
 
 
-def lowmem_loss(path: Path, results: Path | dict = BENCH / "LOWMEM.json") -> None:
-    """The low-memory runs' training loss (running mean), one panel per model. `bench.lowmem` draws it too,
-    from the results it has just measured."""
+def choosing_loss(path: Path, results: Path = BENCH / "CHOOSING.json") -> None:
+    draw_choosing_loss(choosing_loss_data(results), path)
+
+
+def lowmem_loss_data(results: Path | dict = BENCH / "LOWMEM.json") -> dict:
+    """The low-memory runs' training loss (running mean), per model and run."""
     data = results if isinstance(results, dict) else json.loads(results.read_text())
-    models = data["models"]
-    with _figure(path, figsize=(6 * len(models), 4)) as fig:
-        for ax, (model, m) in zip(fig.subplots(1, len(models), squeeze=False)[0], models.items()):
-            for name, r in m["runs"].items():
-                x, y = _running_mean(r["curve"], max(len(r["curve"]) // 30, 1))
-                ax.plot(x, y, label=name, lw=1.2)
+    return {model: {name: _running_mean(r["curve"], max(len(r["curve"]) // 30, 1)) for name, r in m["runs"].items()}
+            for model, m in data["models"].items()}
+
+
+def draw_lowmem_loss(d: dict, path: Path) -> None:
+    """One panel per model."""
+    with _figure(path, figsize=(6 * len(d), 4)) as fig:
+        for ax, (model, runs) in zip(fig.subplots(1, len(d), squeeze=False)[0], d.items()):
+            for name, curve in runs.items():
+                ax.plot(*curve, label=name, lw=1.2)
             ax.set_title(model)
             ax.set_xlabel("step")
             ax.set_ylabel("training loss (running mean)")
@@ -317,24 +379,83 @@ def lowmem_loss(path: Path, results: Path | dict = BENCH / "LOWMEM.json") -> Non
         fig.tight_layout()
 
 
+def lowmem_loss(path: Path, results: Path | dict = BENCH / "LOWMEM.json") -> None:
+    """The low-memory runs' loss curves. `bench.lowmem` draws it too, from the results it has just measured."""
+    draw_lowmem_loss(lowmem_loss_data(results), path)
+
+
 # ---------------------------------------------------------------------------------------------------- all
-def figures() -> dict[str, Callable[[Path], None]]:
-    """File name in docs/images/ -> the function that draws it (the GPU chart only when its results exist)."""
+class Figure(NamedTuple):
+    """A figure of docs/images: `data()` is what it draws, computed from its sources (JSON: numbers, strings,
+    lists, dicts), and `draw(data, path)` writes the PNG. `tolerance` is None for a figure read from results
+    files (its data is the same on every machine) and `(rtol, atol)` for one computed here: how far another
+    CPU's float32 rounding moves a number it draws (`close`). A computed figure's data is recorded in RECORDS."""
+
+    data: Callable[[], dict]
+    draw: Callable[[dict, Path], None]
+    tolerance: tuple[float, float] | None = None
+
+
+# The schedules' values are float32 (cos, exp, powers) rounded to 4 digits: another CPU's last bit can move one
+# by a unit of the 4th digit (at most 1e-3 of it; none moved with XLA limited to other instruction sets,
+# XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 or AVX, on an AVX2 machine). The tie drift is 40 Adam steps of a tiny model,
+# where a rounding difference grows: on those instruction sets its numbers moved by 3e-4 at most, and an AMD
+# EPYC (AVX2) drew it 44 pixels apart from the figure first committed (drawn elsewhere).
+SCHEDULES_TOLERANCE = (2e-3, 1e-6)
+TIE_DRIFT_TOLERANCE = (1e-2, 1e-3)
+
+
+def figures() -> dict[str, Figure]:
+    """File name in docs/images/ -> the figure (the GPU chart only when its results exist)."""
     out = {
-        "bench-cpu-ratios.png": step_ratios,
-        "tie-drift.png": tie_drift,
-        "schedules.png": schedules,
-        "choosing-loss.png": choosing_loss,
-        "lowmem-loss.png": lowmem_loss,
+        "bench-cpu-ratios.png": Figure(step_ratios_data, draw_step_ratios),
+        "tie-drift.png": Figure(tie_drift_data, draw_tie_drift, TIE_DRIFT_TOLERANCE),
+        "schedules.png": Figure(schedules_data, draw_schedules, SCHEDULES_TOLERANCE),
+        "choosing-loss.png": Figure(choosing_loss_data, draw_choosing_loss),
+        "lowmem-loss.png": Figure(lowmem_loss_data, draw_lowmem_loss),
     }
     if GPU_RESULTS.exists():
-        out["bench-gpu-ratios.png"] = gpu_ratios
+        out["bench-gpu-ratios.png"] = Figure(gpu_ratios_data, draw_gpu_ratios)
     return out
+
+
+def close(want, got, rtol: float = 0.0, atol: float = 0.0, where: str = "") -> list[str]:
+    """Where two figures' data differ: the same structure and strings, each number within
+    `atol + rtol * max(|want|, |got|)` (0, 0: equal)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        if list(want) != list(got):
+            return [f"{where or 'the data'}: keys {list(want)} recorded, {list(got)} now"]
+        return [d for k in want for d in close(want[k], got[k], rtol, atol, f"{where}[{k!r}]")]
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return [f"{where}: {len(want)} values recorded, {len(got)} now"]
+        return [d for k, (a, b) in enumerate(zip(want, got)) for d in close(a, b, rtol, atol, f"{where}[{k}]")]
+    numbers = (int, float)
+    if (isinstance(want, numbers) and isinstance(got, numbers) and not isinstance(want, bool)
+            and not isinstance(got, bool) and abs(want - got) <= atol + rtol * max(abs(want), abs(got))):
+        return []
+    return [] if want == got else [f"{where}: {want!r} recorded, {got!r} now"]
+
+
+def _dumps(x, indent: int = 0) -> str:
+    """JSON with a line per dict entry and each list on one line."""
+    if not isinstance(x, dict):
+        return json.dumps(x, ensure_ascii=False)
+    pad = " " * (indent + 1)
+    items = [f"{pad}{json.dumps(k, ensure_ascii=False)}: {_dumps(v, indent + 1)}" for k, v in x.items()]
+    return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+
+
+def records(path: Path = RECORDS) -> dict:
+    """The recorded data of the computed figures (file name -> data)."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=IMAGES, help="folder to write the PNGs into (docs/images/)")
+    p.add_argument("--out", type=Path, default=IMAGES,
+                   help="folder to write the PNGs into (docs/images/; the records: bench/FIGURES.json, or "
+                        "FIGURES.json in that folder)")
     p.add_argument("--only", nargs="*", help="figure names (without .png), e.g. tie-drift schedules")
     a = p.parse_args(argv)
     todo = figures()
@@ -343,9 +464,18 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             p.error(f"no figure named {sorted(unknown)}; there are {sorted(todo)}")
         todo = {n: f for n, f in todo.items() if n.removesuffix(".png") in a.only}
-    for name, draw in todo.items():
-        draw(a.out / name)
+    where = RECORDS if a.out.resolve() == IMAGES.resolve() else a.out / RECORDS.name
+    recorded = records(where)
+    for name, fig in todo.items():
+        data = fig.data()
+        fig.draw(data, a.out / name)
+        if fig.tolerance is not None:
+            recorded[name] = data
         print(f"{a.out / name}: {(a.out / name).stat().st_size / 1024:.0f} KB")
+    if any(f.tolerance is not None for f in todo.values()):
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text(_dumps(dict(sorted(recorded.items()))) + "\n")
+        print(f"{where}: what the computed figures drew")
     if not GPU_RESULTS.exists():
         print(f"no {GPU_RESULTS.relative_to(ROOT)}: no GPU chart (no GPU numbers are measured yet)")
 

@@ -1,11 +1,19 @@
 """The docs' figures are fresh, and every picture the pages show is there.
 
-`python -m bench.figures` draws the figures in docs/images/ from the results files in bench/ (and one tiny run of
-its own, the tie drift). Each test here draws one again into a temporary folder and requires the committed PNG to
-be the same file, byte for byte: a figure whose data (or drawing code) changed and that was not drawn again fails.
-The figures are drawn with matplotlib's defaults, no metadata and rounded numbers (bench/figures.py says why), so
-the same data gives the same bytes; a different matplotlib or Pillow could encode the same picture differently,
-and the failure then says whether the pixels differ too.
+`python -m bench.figures` draws the figures in docs/images/ from the results files in bench/ and from two small
+computations of its own (the schedules, the tie drift). No check here depends on this CPU's floating point:
+
+- a figure read from results files is drawn again from them and must be the committed PNG byte for byte (what it
+  draws is computed the same on every machine: bench/figures.py says how);
+- a computed figure's data is computed again and compared with what the committed PNG drew (recorded in
+  bench/FIGURES.json) within the figure's tolerance: another CPU rounds float32 differently (an AMD EPYC drew
+  the tie drift 44 pixels apart from the figure first committed). Then the recorded data is drawn again and must
+  be the committed PNG byte for byte.
+
+So a figure whose data or drawing code changed and that was not drawn again fails. The figures are drawn with
+matplotlib's defaults, no metadata and rounded numbers, so the same data gives the same bytes; a different
+matplotlib or Pillow could encode the same picture differently, and the failure then says whether the pixels
+differ too.
 
 The notebooks' pages and figures (docs/notebooks/, notebooks/rendered/, docs/images/notebooks/) are checked fresh
 by tests/test_notebooks.py, which runs the notebooks.
@@ -44,12 +52,40 @@ def _pixels_differ(a: bytes, b: bytes) -> str:
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_figure_is_fresh(name, tmp_path):
     committed = IMAGES / name
-    assert committed.exists(), f"docs/images/{name} is missing: run `python -m bench.figures`"
-    FIGURES[name](tmp_path / name)
+    run = f"run `python -m bench.figures --only {name.removesuffix('.png')}`"
+    assert committed.exists(), f"docs/images/{name} is missing: {run}"
+    figure = FIGURES[name]
+    data = figure.data()
+    if figure.tolerance is not None:
+        recorded = figures.records().get(name)
+        assert recorded is not None, f"bench/FIGURES.json has no data of {name}: {run}"
+        moved = figures.close(recorded, data, *figure.tolerance)
+        if moved:
+            pytest.fail(f"docs/images/{name} is stale: {len(moved)} of the numbers it draws moved by more than "
+                        f"rtol, atol = {figure.tolerance}:\n" + "\n".join(moved[:10]) + f"\n{run}", pytrace=False)
+        data = recorded
+    figure.draw(data, tmp_path / name)
     now = (tmp_path / name).read_bytes()
     if now != committed.read_bytes():
-        pytest.fail(f"docs/images/{name} is stale: {_pixels_differ(committed.read_bytes(), now)}; "
-                    f"run `python -m bench.figures --only {name.removesuffix('.png')}`", pytrace=False)
+        what = "drawn from its data" if figure.tolerance is None else "drawn from its recorded data"
+        pytest.fail(f"docs/images/{name} is stale: it is not the picture {what} by bench/figures.py "
+                    f"({_pixels_differ(committed.read_bytes(), now)}); {run}", pytrace=False)
+
+
+def test_the_records_are_the_computed_figures():
+    computed = {name for name, f in FIGURES.items() if f.tolerance is not None}
+    assert computed == {"schedules.png", "tie-drift.png"}
+    assert set(figures.records()) == computed, "bench/FIGURES.json: run `python -m bench.figures`"
+
+
+def test_a_moved_number_is_caught_within_tolerance_and_beyond_it():
+    rtol, atol = figures.TIE_DRIFT_TOLERANCE
+    want = {"a": [1.0, 0.0, -2.0], "b": "x"}
+    assert figures.close(want, {"a": [1 + rtol / 2, atol / 2, -2.0], "b": "x"}, rtol, atol) == []
+    far = 1 + 3 * rtol
+    assert figures.close(want, {"a": [far, 0.0, -2.0], "b": "x"}, rtol, atol) == [f"['a'][0]: 1.0 recorded, {far} now"]
+    assert figures.close(want, {"a": [1.0, 0.0, -2.0], "b": "y"}, rtol, atol) == ["['b']: 'x' recorded, 'y' now"]
+    assert figures.close(want, {"a": [1.0, 0.0], "b": "x"}) == ["['a']: 3 values recorded, 2 now"]
 
 
 def test_drawing_twice_gives_the_same_bytes(tmp_path):
