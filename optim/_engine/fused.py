@@ -318,6 +318,9 @@ class Kernel(Strategy):
                 if is_packed(avg) or not hasattr(avg, "dtype") or jnp.dtype(avg.dtype) != jnp.float32:
                     return "an EMA average that is not a float32 array"
                 wide = wide + [avg]
+            if kind == kinds.CENTRED_RMSPROP and any(jnp.dtype(a.dtype) != jnp.float32 for a in wide[:2]):
+                # stored in bfloat16, centred RMSProp's `quad` holds the variance (optim._rules.adaptive)
+                return "centred RMSProp with a moment stored in bfloat16 (its state is the variance)"
             # The loops are compiled for two state dtypes: a rule's third array (AMSGrad's) has its second's.
             for j, a in enumerate(wide):
                 if tuple(np.shape(a)) != (n, *p.shape) or jnp.dtype(a.dtype) not in KERNEL_FLOATS or (

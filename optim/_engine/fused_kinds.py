@@ -24,6 +24,7 @@ __all__ = ["ARRAYS", "PACKED", "kind_of", "scalars"]
 
 (_ADAM, _ADAMW_COUPLED, _ADAMW, _LION, _MOMENTUM, _DESCENT, _NADAM, _ADABELIEF, _RMSPROP, _RMSPROP_CENTRED, _AMSGRAD,
  _RADAM, _ADOPT, _ADOPT_NESTEROV, _ADEMAMIX) = range(15)
+CENTRED_RMSPROP = _RMSPROP_CENTRED   # its bfloat16 state holds the variance, which the kernel does not compute
 # States (arrays, then packed (∏β₁, ∏β₂) [, t]).
 ADAMS = (_ADAM, _ADAMW_COUPLED, _ADAMW, _NADAM, _ADABELIEF, _RADAM, _ADEMAMIX)
 # The state arrays per kind (a third has the second's dtype: AMSGrad's maximum, AdEMAMix's v).

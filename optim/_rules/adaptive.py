@@ -14,7 +14,7 @@ from .fields import decay, flag, nonneg, static
 from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
 from .quantized import QuantizedArray
 from .schedules import Hyper
-from .protocol import Rule, abs2, eps_of, real_dtype, zeros_real, as_compute
+from .protocol import Rule, abs2, compute_dtype, eps_of, real_dtype, zeros_real, as_compute
 
 __all__ = ["RMSProp", "AdaGrad", "AdaDelta"]
 
@@ -49,7 +49,10 @@ class RMSProp(StateDtypes, Rule):
 
     State: `RMSPropState(quad, lin)`: `q`, the running mean of `|g|²` (`nu_dtype`, default the real dtype), and
     when centred `l`, the running mean of `g` (`mu_dtype`, default the parameter dtype; else `None`); both start
-    at 0. The step is computed from the new averages before they are rounded to their storage.
+    at 0. The step is computed from the new averages before they are rounded to their storage. Centred, with
+    either stored in fewer bits than it is computed with (bfloat16, `optim.q8`, `optim.q4`, or a bfloat16
+    parameter's default), `quad` holds the variance `s = q - |l|²` instead, updated as
+    `s ← ρ s + ρ (1 - ρ)|g - l|²` (the same numbers unrounded), so that rounding cannot make it negative.
 
     Reference: T. Tieleman, G. Hinton, "Lecture 6.5 — RMSProp: divide the gradient by a running average of its
     recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012,
@@ -83,18 +86,31 @@ class RMSProp(StateDtypes, Rule):
         q0, l0 = state
         (q,) = load(x, q0)
         rho = as_compute(self.rho, x)
-        q = rho * q + (1 - rho) * abs2(dx)
-        q_eff, l = q, None
-        if self.centred:
-            (l,) = load(x, l0)
+        if not self.centred:
+            q = rho * q + (1 - rho) * abs2(dx)
+            step = dx * as_compute(self.lr, x) / (jnp.sqrt(q) + eps_of(self.eps, x))
+            return RMSPropState(*store((q,), (q0,)), None), step
+        (l,) = load(x, l0)
+        if _rounded(q0, x) or _rounded(l0, x):
+            # `q` holds the variance `s = q - |l|²`: rounded on their own, q and |l|² drift past each other and
+            # their difference goes to 0 or below (a step of g / ε, or NaN); `s` is updated by what q and l's
+            # updates make of it, `s ← ρ s + ρ (1 - ρ)|g - l|²`, which stays >= 0 whatever each is rounded to.
+            q = rho * q + rho * (1 - rho) * abs2(dx - l)
             l = rho * l + (1 - rho) * dx
-            q_eff = q - abs2(l)
-            if isinstance(q0, QuantizedArray) or isinstance(l0, QuantizedArray):
-                # each moment rounded on its own can make q < |l|² (a NaN root); unrounded they cannot
-                q_eff = jnp.maximum(q_eff, 0)
-            (l,) = store((l,), (l0,))
-        step = dx * as_compute(self.lr, x) / (jnp.sqrt(q_eff) + eps_of(self.eps, x))
-        return RMSPropState(*store((q,), (q0,)), l), step
+            var = q
+        else:
+            q = rho * q + (1 - rho) * abs2(dx)
+            l = rho * l + (1 - rho) * dx
+            var = q - abs2(l)
+        step = dx * as_compute(self.lr, x) / (jnp.sqrt(var) + eps_of(self.eps, x))
+        return RMSPropState(*store((q, l), (q0, l0))), step
+
+
+def _rounded(stored: Any, x: Any) -> bool:
+    """Whether a moment is stored with fewer bits than it is computed with (a `Quantized` format, bfloat16)."""
+    if isinstance(stored, QuantizedArray):
+        return True
+    return jnp.finfo(stored.dtype).bits < jnp.finfo(compute_dtype(x)).bits
 
 
 class AdaGrad(Rule):
