@@ -21,8 +21,9 @@ KEY = "optim"   # the metadata key; its value is one contract, a key of TUPLES
 
 # contract -> the class tuples that list a field with it (a flag is static too: it picks the program)
 TUPLES: dict[str, tuple[str, ...]] = {
-    "nonneg": ("_nonneg",), "initial": ("_nonneg", "_initial"), "unit": ("_unit",), "decay": ("_decay",), "signed": ("_signed",),
-    "count": ("_counts",), "steps": ("_steps",), "static": ("_static",), "flag": ("_static", "_flags"),
+    "nonneg": ("_nonneg",), "initial": ("_nonneg", "_initial"), "unit": ("_unit",), "decay": ("_decay",),
+    "signed": ("_signed",), "count": ("_counts",), "steps": ("_steps",), "static": ("_static",),
+    "flag": ("_static", "_flags"),
 }
 NAMES = ("_static", "_nonneg", "_initial", "_unit", "_decay", "_signed", "_counts", "_steps", "_flags")
 _CONTRACT = {v: k for k, v in TUPLES.items()}   # ("_static", "_flags") -> "flag", ...
