@@ -182,3 +182,123 @@ def test_bench_choosing_runs(request, tmp_path):
     assert expected < muon < expected + scalars, (muon, expected)
     if "Prodigy" in rows:                             # m, v, s and the starting parameters
         assert 4.0 < rows["Prodigy"]["state_ratio"] < 4.0 + scalars
+
+
+# `bench.kernels`' parser on a hand-written compiled module (no CUDA plugin needed): a multi-output fusion writing
+# members 0 and 1 of a stack of 4 (it reads those rows of the stack only), a fusion reading two arrays through
+# their concatenation of which it slices one, a reduction reading all of its operand, a copy of a parameter-sized
+# array, and a while loop of 3 known trips (its condition runs 4 times). Tuple shapes with `/*index=*/` comments,
+# metadata holding ` = `, parentheses and brackets.
+KERNELS_HLO = """\
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[4,8]{1,0}, f32[], f32[8]{0}, f32[8]{0})->(...)}
+
+%fused_members (param_0: f32[4,8], param_1: f32[], param_2: f32[8], param_3: f32[8]) -> (f32[8], f32[8]) {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[] parameter(1)
+  %broadcast.1 = f32[4,8]{1,0} broadcast(%param_1), dimensions={}
+  %multiply.1 = f32[4,8]{1,0} multiply(%param_0, %broadcast.1), metadata={op_name="stacks[0].mu[1:2]"}
+  %slice.0 = f32[1,8]{1,0} slice(%multiply.1), slice={[0:1], [0:8]}
+  %bitcast.0 = f32[8]{0} bitcast(%slice.0)
+  %param_2 = f32[8]{0} parameter(2)
+  %subtract.0 = f32[8]{0} subtract(%param_2, %bitcast.0)
+  %slice.1 = f32[1,8]{1,0} slice(%multiply.1), slice={[1:2], [0:8]}
+  %bitcast.1 = f32[8]{0} bitcast(%slice.1)
+  %param_3 = f32[8]{0} parameter(3)
+  %subtract.1 = f32[8]{0} subtract(%param_3, %bitcast.1)
+  ROOT %tuple.0 = (f32[8]{0}, f32[8]{0}) tuple(%subtract.0, %subtract.1)
+}
+
+%fused_concat (param_0.1: f32[8], param_1.1: f32[8]) -> f32[8] {
+  %param_0.1 = f32[8]{0} parameter(0)
+  %bitcast.2 = f32[1,8]{1,0} bitcast(%param_0.1)
+  %param_1.1 = f32[8]{0} parameter(1)
+  %bitcast.3 = f32[1,8]{1,0} bitcast(%param_1.1)
+  %concatenate.0 = f32[2,8]{1,0} concatenate(%bitcast.2, %bitcast.3), dimensions={0}
+  %slice.2 = f32[1,8]{1,0} slice(%concatenate.0), slice={[1:2], [0:8]}
+  ROOT %bitcast.4 = f32[8]{0} bitcast(%slice.2)
+}
+
+%add_f32 (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add.0 = f32[] add(%x, %y)
+}
+
+%fused_norm (param_0.2: f32[4,8]) -> f32[] {
+  %param_0.2 = f32[4,8]{1,0} parameter(0)
+  %constant.0 = f32[] constant(0)
+  ROOT %reduce.0 = f32[] reduce(%param_0.2, %constant.0), dimensions={0,1}, to_apply=%add_f32
+}
+
+%fused_body (param_0.3: s32[], param_1.3: f32[8]) -> (s32[], f32[8]) {
+  %param_0.3 = s32[] parameter(0)
+  %constant.1 = s32[] constant(1)
+  %add.1 = s32[] add(%param_0.3, %constant.1)
+  %param_1.3 = f32[8]{0} parameter(1)
+  %add.2 = f32[8]{0} add(%param_1.3, %param_1.3)
+  ROOT %tuple.1 = (s32[], f32[8]{0}) tuple(%add.1, %add.2)
+}
+
+%body (state: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %state = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[8]{0} get-tuple-element(%state), index=1
+  ROOT %next = (s32[], f32[8]{0}) fusion(%i, %x), kind=kLoop, calls=%fused_body
+}
+
+%cond (state.1: (s32[], f32[8])) -> pred[] {
+  %state.1 = (s32[], f32[8]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%state.1), index=0
+  %limit = s32[] constant(3)
+  ROOT %less = pred[] compare(%i.1, %limit), direction=LT
+}
+
+ENTRY %main.9 (stack: f32[4,8], lr: f32[], w0: f32[8], w1: f32[8]) -> (f32[8], f32[8], f32[8], f32[]) {
+  %stack = f32[4,8]{1,0} parameter(0), metadata={op_name="state.stacks[0].mu"}
+  %lr = f32[] parameter(1)
+  %w0 = f32[8]{0} parameter(2)
+  %w1 = f32[8]{0} parameter(3)
+  %members = (f32[8]{0}, /*index=1*/f32[8]{0}) fusion(%stack, %lr, %w0, %w1), kind=kLoop, calls=%fused_members
+  %new0 = f32[8]{0} get-tuple-element(%members), index=0
+  %new1 = f32[8]{0} get-tuple-element(%members), index=1
+  %concat = f32[8]{0} fusion(%new0, %new1), kind=kLoop, calls=%fused_concat, metadata={op_name="a = f(c[0])"}
+  %norm = f32[] fusion(%stack), kind=kInput, calls=%fused_norm
+  %copy.0 = f32[8]{0} copy(%new0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %concat)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[8]{0} get-tuple-element(%loop), index=1
+  ROOT %result = (f32[8]{0}, f32[8]{0}, /*index=2*/f32[8]{0}, f32[]) tuple(%copy.0, %new1, %out, %norm)
+}
+"""
+
+
+def test_bench_kernels_bytes_parser():
+    """`bench.kernels.module_kernels` / `entry_kernels` on `KERNELS_HLO`: bytes read are the demanded elements of
+    each fusion operand, written the outputs, each kernel times its executions."""
+    sys.path.insert(0, str(ROOT))
+    from bench import kernels
+
+    got = {k.name: (k.op, k.read, k.written, k.times) for k in kernels.module_kernels(KERNELS_HLO)}
+    assert got == {
+        "members": ("fusion", 2 * 8 * 4 + 4 + 32 + 32, 64, 1),    # rows 0-1 of the stack, lr, w0, w1
+        "concat": ("fusion", 32, 32, 1),                           # of new0 and new1, new1 only
+        "norm": ("fusion", 128, 4, 1),                             # the whole stack
+        "copy.0": ("copy", 32, 32, 1),
+        "less": ("compare", 8, 1, 4),                              # i and the constant; 3 trips + 1
+        "next": ("fusion", 36, 36, 3),
+    }
+    summary = kernels.entry_kernels(KERNELS_HLO)
+    assert summary["bytes"] == 196 + 64 + 132 + 64 + 9 * 4 + 72 * 3
+    assert summary["read"] + summary["written"] == summary["bytes"]
+    assert {k: summary[k] for k in ("kernels", "fusions", "copies", "param_copies", "other", "other_ops")} == {
+        "kernels": 11, "fusions": 6, "copies": 1, "param_copies": 1, "other": 4, "other_ops": ["compare"]}
+
+    # The floor: gradients and parameters read, parameters written, the state read and written; a tied array's
+    # position is read once as a parameter but has its own gradient and output.
+    import numpy as np
+    w = np.zeros(10, np.float32)
+    state = {"m": np.zeros(10, np.float32), "v": np.zeros(10, np.float32)}
+    assert kernels.floor_bytes(state, {"w": w}, {"w": w}) == 28 * 10
+    assert kernels.floor_bytes(state, {"w": w}, {"w": w}, passes=1) == 32 * 10
+    assert kernels.floor_bytes(state, {"a": w, "b": w}, {"a": w, "b": w.copy()}) == (8 + 4 + 8 + 16) * 10

@@ -1,12 +1,15 @@
-"""Kernel counts of a jitted update step compiled for an H100 by XLA's deviceless compile (no GPU: `bench.kernels`),
-with XLA's path grouping large parameters (optim._engine.group; `OPTIM_GROUP=all`, since this process has no GPU
-backend). Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 of the installed jax's version:
-`make test-gpu-kernels` installs them in `.venv-gpu` and runs this file (CI does, after `make test`); elsewhere it
-is skipped.
+"""Kernel counts and bytes moved of a jitted update step compiled for an H100 by XLA's deviceless compile (no GPU:
+`bench.kernels`), with XLA's path grouping large parameters (optim._engine.group; `OPTIM_GROUP=all`, since this
+process has no GPU backend). Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 of the installed
+jax's version: `make test-gpu-kernels` installs them in `.venv-gpu` and runs this file (CI does, after `make test`);
+elsewhere it is skipped.
 
-The bounds are what the engine reaches now, so that a change that gives kernels back fails; issue 38's targets
-(at most 12 kernels for every workload below on both sizes, Muon 40) are not all met: see `bench/NOTES.md`."""
+The bounds are what the engine reaches now, so that a change that gives kernels or bytes back fails; issue 38's
+targets (at most 12 kernels for every workload below on both sizes, Muon 40) are not all met: see `bench/NOTES.md`;
+nor are the bytes' (optax's + 2%: `test_step_bytes_target`, an expected failure)."""
 
+import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -100,16 +103,46 @@ def test_grouped_quantized_step_kernels(name, size):
     args = [K.abstract(a, where) for a in (state, params, params)]
     text = jax.jit(K.optim_step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
     got = K.entry_kernels(text)
-    copied = []       # (dtype, elements) of each copy of at least one parameter's size
-    for line in text[text.index("\nENTRY"):].splitlines():
-        m = K._INSTR.match(line)
-        if m and K._split(m.group(1))[1] == "copy":
-            shape_text = K._split(m.group(1))[0]
-            if (K._elements(shape_text) or 0) >= n_elems(shape):
-                copied.append(shape_text.split("[")[0])
+    copied = [k.shape.split("[")[0] for k in K.module_kernels(text)     # the dtype of each copy of at least
+              if k.op == "copy" and math.prod(K._dims(k.shape) or (0,)) >= math.prod(shape)]   # a parameter's size
     assert set(copied) <= {"u8"}, copied
     assert got["kernels"] <= kernels and len(copied) <= copies, (got, copied)
 
 
-def n_elems(shape: tuple) -> int:
-    return shape[0] * shape[1]
+# Bytes a step moves (`bench.kernels`: the operands and outputs of every kernel, of a fused operand the elements
+# its kernel demands), in MB: (tree, workload) -> (bound, optax). The bound is what the engine moves now (optim at
+# 1afce9a, deviceless H100, jax 0.10.2), so that a change that gives bytes back fails. The target is optax's
+# bytes (optax 0.2.8, on the untied tree) + 2%, and on the tied tree + 201 MB more: the head's gradient read and its
+# output written, which the untied tree does not have (the floor: 29.8 bytes a parameter there against 28). At
+# 1afce9a none is met (test_step_bytes_target reports an xfail): optim's grouped steps take two passes over the
+# state, a moments kernel writing the stacked m and v and parameter kernels reading them back (36 bytes a parameter
+# on 100 x 400x400 against 28; on GPT-2 its 8 stacks of matrices, 680 of the 702 MB more than optax); on the tied
+# tree the new embedding is also copied into the head's output (201 MB, of which the read is the avoidable part).
+BYTES = {
+    ("100x400x400", "Adam"): (577, 448),
+    ("gpt2", "Adam"): (3810, 3108),
+    ("gpt2", "AdamW"): (3812, 3108),
+    ("gpt2-tied", "Adam"): (4112, 3108),
+}
+TIE_MB = 201          # 2 x 32768 x 768 float32: the head's gradient read, its output written
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(tree: str, workload: str) -> dict:
+    rule, _ = K.workloads()[workload]
+    return K.measure(tree, workload, "optim", rule)
+
+
+@pytest.mark.parametrize("case", sorted(BYTES), ids="-".join)
+def test_step_bytes(case):
+    got = _measured(*case)
+    assert got["bytes"] <= BYTES[case][0] * 1e6, got
+
+
+@pytest.mark.parametrize("case", sorted(BYTES), ids="-".join)
+def test_step_bytes_target(case):
+    """The target, reported as an expected failure while it is not met (see BYTES); met, it passes."""
+    got = _measured(*case)["bytes"] / 1e6
+    target = 1.02 * BYTES[case][1] + (TIE_MB if case[0] == "gpt2-tied" else 0)
+    if got > target:
+        pytest.xfail(f"not met: {got:.0f} MB against a target of {target:.0f} MB (optax's + 2%)")
