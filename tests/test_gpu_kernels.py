@@ -110,20 +110,23 @@ def test_grouped_quantized_step_kernels(name, size):
 
 
 # Bytes a step moves (`bench.kernels`: the operands and outputs of every kernel, of a fused operand the elements
-# its kernel demands), in MB: (tree, workload) -> (bound, optax). The bound is what the engine moves now (optim at
-# 1afce9a, deviceless H100, jax 0.10.2), so that a change that gives bytes back fails. The target is optax's
-# bytes (optax 0.2.8, on the untied tree) + 2%, and on the tied tree + 201 MB more: the head's gradient read and its
-# output written, which the untied tree does not have (the floor: 29.8 bytes a parameter there against 28). At
-# 1afce9a none is met (test_step_bytes_target reports an xfail): optim's grouped steps take two passes over the
-# state, a moments kernel writing the stacked m and v and parameter kernels reading them back (36 bytes a parameter
-# on 100 x 400x400 against 28; on GPT-2 its 8 stacks of matrices, 680 of the 702 MB more than optax); on the tied
-# tree the new embedding is also copied into the head's output (201 MB, of which the read is the avoidable part).
+# its kernel demands), in MB: (tree, workload) -> (bound, optax). The bound is what the engine moves now
+# (deviceless H100, jax 0.10.2), so that a change that gives bytes back fails. The target is optax's bytes (optax
+# 0.2.8, on the untied tree) + 2%, and on the tied tree + 201 MB more: the head's gradient read and its output
+# written, which the untied tree does not have (the floor: 29.8 bytes a parameter there against 28).
+# Met (TARGET_MET) on the GPT-2 tree since its matrices step alone and each stack reads its own pack rows (before:
+# Adam 3810 MB, AdamW 3811, SkipNonFinite(AdamW) 4027). Not met: grouped steps take two passes over the state, a
+# moments kernel writing the stacked m and v and parameter kernels reading them back (36 bytes a parameter on
+# 100 x 400x400 against 28); on the tied tree the new embedding is copied into the head's output (the read,
+# 101 MB, is the part over the target).
 BYTES = {
     ("100x400x400", "Adam"): (577, 448),
-    ("gpt2", "Adam"): (3810, 3108),
-    ("gpt2", "AdamW"): (3812, 3108),
-    ("gpt2-tied", "Adam"): (4112, 3108),
+    ("gpt2", "Adam"): (3110, 3108),
+    ("gpt2", "AdamW"): (3111, 3108),
+    ("gpt2", "SkipNonFinite(AdamW)"): (3556, 3552),
+    ("gpt2-tied", "Adam"): (3412, 3108),
 }
+TARGET_MET = {("gpt2", "Adam"), ("gpt2", "AdamW"), ("gpt2", "SkipNonFinite(AdamW)")}
 TIE_MB = 201          # 2 x 32768 x 768 float32: the head's gradient read, its output written
 
 
@@ -144,5 +147,7 @@ def test_step_bytes_target(case):
     """The target, reported as an expected failure while it is not met (see BYTES); met, it passes."""
     got = _measured(*case)["bytes"] / 1e6
     target = 1.02 * BYTES[case][1] + (TIE_MB if case[0] == "gpt2-tied" else 0)
-    if got > target:
+    if case in TARGET_MET:
+        assert got <= target, (got, target)
+    elif got > target:
         pytest.xfail(f"not met: {got:.0f} MB against a target of {target:.0f} MB (optax's + 2%)")
