@@ -425,42 +425,6 @@ def same_rule_structure(saved: list[str], rule: Any) -> bool:
     return saved == like or [_no_trailing_none(a) for a in saved] == [_no_trailing_none(b) for b in like]
 
 
-def rule_with_saved_numbers(saved: list[str], entries: list, rule: Any) -> Any:
-    """`rule` with each schedule that the saved rule (signature `saved`, leaf entries `entries`) holds as a
-    number, set with `adjust(lr=1e-4)` during the run, replaced by a placeholder of that entry's kind (a zero
-    array of its shape and dtype, or 0.0), into which `load` reads the file's value; None where the two differ
-    otherwise. Hyperparameters come from the file: like= may be the run's own rule, schedules included."""
-    is_schedule = lambda v: getattr(type(v), "_optim_schedule", False)   # noqa: E731
-    leaves, treedef = jax.tree_util.tree_flatten(rule, is_leaf=is_schedule)
-    same = lambda a, b: a == b or _no_trailing_none(a) == _no_trailing_none(b)   # noqa: E731
-    out, i, it = [], 0, iter(leaves)
-    for token in signature(treedef):
-        if i >= len(saved):
-            return None
-        if token != "*":
-            if not same(saved[i], token):
-                return None
-            i += 1
-            continue
-        leaf = next(it)
-        if saved[i] == "*":
-            if is_schedule(leaf):
-                e = entries[saved[:i].count("*")] if saved[:i].count("*") < len(entries) else None
-                if not isinstance(e, dict) or "array" in e and e.get("shape") != []:   # a number is 0-d
-                    return None
-                dtype = _storable_dtype(e.get("dtype")) if "array" in e else None
-                leaf = np.zeros((), dtype) if dtype is not None else 0.0
-            out.append(leaf)
-            i += 1
-            continue
-        sub = signature(jax.tree.structure(leaf)) if is_schedule(leaf) else None
-        if sub is None or saved[i:i + len(sub)] != sub:
-            return None
-        out.append(leaf)
-        i += len(sub)
-    return treedef.unflatten(out) if i == len(saved) else None
-
-
 def _no_trailing_none(node: str) -> str:
     """`'Adam[(True, None, None)]'` -> `'Adam[(True)]'`, `'Adam[(True,)]'` -> `'Adam[(True)]'`,
     `'Momentum[(None,)]'` -> `'Momentum[()]'`."""

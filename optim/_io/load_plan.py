@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .checkpoint_format import (ARRAYS, Malformed, clean, dtype_name, dtype_named, key_type, python_value,
-                                 rule_with_saved_numbers, same_rule_structure, same_state_structure, signature)
+                                 same_rule_structure, same_state_structure, signature)
 from .._core.state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
+from .._rules.hyper import is_schedule
 from .._rules.moments import powers_from_next
 from .._base.tree import show, structure_diff
 
@@ -139,13 +140,11 @@ class Plan:
         """like='s rule for a parameter must have the structure of the saved rule `k`: it is the class that rule
         is rebuilt with."""
         saved = self.meta["rules"][k]
-        if not same_rule_structure(saved["structure"], like_rule):
-            # a schedule the run replaced by a number with `adjust`: the file's number is loaded in its place
-            like_rule = rule_with_saved_numbers(saved["structure"], saved["leaves"], like_rule) or like_rule
-        if not same_rule_structure(saved["structure"], like_rule):
+        template = _template(saved, like_rule)
+        if template is None:
             raise Mismatch(f"the rule of {where} differs: the checkpoint has {saved['repr']}, like= has "
                             f"{rule_repr(like_rule)}")
-        self.like_rule_of.setdefault(k, like_rule)
+        self.like_rule_of.setdefault(k, template)
 
     def _state(self, sp: dict, u: int, where: str) -> None:
         """A parameter's optimiser state: like='s structure, the file's arrays (checked for shape and dtype)."""
@@ -164,10 +163,8 @@ class Plan:
         for k, saved in enumerate(self.meta["rules"]):
             template = self.like_rule_of.get(k)
             if template is None:
-                template = self.like.rules[k] if k < len(self.like.rules) else None
-                if template is not None and not same_rule_structure(saved["structure"], template):
-                    template = rule_with_saved_numbers(saved["structure"], saved["leaves"], template) or template
-                if template is None or not same_rule_structure(saved["structure"], template):
+                template = _template(saved, self.like.rules[k]) if k < len(self.like.rules) else None
+                if template is None:
                     raise Mismatch(f"the checkpoint's rule {saved['repr']} has no counterpart in like=")
             leaves, treedef = jax.tree_util.tree_flatten(template)
             if len(leaves) != len(saved["leaves"]):
@@ -375,3 +372,43 @@ def destination(x: Any) -> Any:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and getattr(x, "committed", True):
         return x.sharding
     return None
+
+
+def _template(saved: dict, rule: Any) -> Any:
+    """like='s `rule` as the template the saved rule is rebuilt with, or None where its structure is another:
+    `rule` itself, or `rule` with the schedules the run replaced by numbers (`adjust(lr=1e-4)`) replaced so too."""
+    if same_rule_structure(saved["structure"], rule):
+        return rule
+    return _with_saved_numbers(saved["structure"], saved["leaves"], rule)
+
+
+def _with_saved_numbers(saved: list[str], entries: list, rule: Any) -> Any:
+    """`rule` with each schedule that the saved rule (signature `saved`, leaf entries `entries`) holds as a
+    number replaced by a placeholder of that entry's kind (a zero array of its dtype, or 0.0), into which `load`
+    reads the file's value; None where the two differ otherwise (the result's structure must be the saved one).
+    Hyperparameters come from the file: like= may be the run's own rule, schedules included."""
+    leaves, treedef = jax.tree_util.tree_flatten(rule, is_leaf=is_schedule)
+    out, i, n_leaves, it = [], 0, 0, iter(leaves)
+    for token in signature(treedef):      # walks like='s nodes; the saved ones are compared at the end
+        if i >= len(saved):
+            return None
+        if token != "*":
+            i += 1
+            continue
+        leaf = next(it)
+        sub = ["*"] if saved[i] == "*" else signature(jax.tree.structure(leaf)) if is_schedule(leaf) else None
+        if sub is None or saved[i:i + len(sub)] != sub:
+            return None
+        if sub == ["*"] and is_schedule(leaf):
+            e = entries[n_leaves] if n_leaves < len(entries) else None
+            if not isinstance(e, dict) or "array" in e and e.get("shape") != []:   # a number is 0-d
+                return None
+            try:
+                leaf = np.zeros((), dtype_named(e["dtype"], "")) if "array" in e else 0.0
+            except (Malformed, KeyError):
+                leaf = 0.0
+        out.append(leaf)
+        i += len(sub)
+        n_leaves += sub.count("*")
+    template = treedef.unflatten(out)
+    return template if i == len(saved) and same_rule_structure(saved, template) else None
