@@ -204,15 +204,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         n_out = sum(sp.out_known)
         known_outs, res = outs[:n_out], outs[n_out:]
         res_batched = sp.batched[n_out:]
-        if len(plans) > 1:
-            # Each stack its own residual arrays, behind a barrier: stacks reading rows of one shared array were
-            # fused by XLA:GPU into one multi-output kernel (a shared operand of more than one number is a
-            # "profitable" sibling), which then read every stack's new moments back from memory instead of
-            # computing them in the kernel that writes the parameter (36 bytes a parameter of Adam, not 28).
-            per = jax.lax.optimization_barrier([[r[s] if b else r for r, b in zip(res, res_batched)]
-                                                for s in range(len(plans))])
-        else:
-            per = [[r[0] if b else r for r, b in zip(res, res_batched)]]
+        per = _apart([[r[s] if b else r for r, b in zip(res, res_batched)] for s in range(len(plans))])
         # Output k of the step is state leaf k while k < the state's leaf count (the state comes first).
         at = np.cumsum(sp.out_known) - 1
         whole = {k: int(at[k]) for k in small_at if sp.out_known[k] and sp.batched[at[k]]}
@@ -278,23 +270,27 @@ def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs:
     return out, pack_rows
 
 
+def _apart(per_stack: list) -> list:
+    """Each stack's own arrays (a list per stack), behind one barrier when there are several stacks. Read as rows
+    of one shared array (a pack, hoisted residuals), they are an operand the stacks' kernels share, and XLA:GPU
+    fused every stack's parameter update into one multi-output kernel that read the new moments back from
+    memory instead of computing them in the kernel that writes the parameter (Adam on a GPT-2's tree: 34 bytes a
+    parameter where one pass over the state is 28; `bench/NOTES.md`)."""
+    return jax.lax.optimization_barrier(per_stack) if len(per_stack) > 1 else per_stack
+
+
 def _filled_apart(views: list, packs: tuple) -> list:
-    """`fill` of each stack's stored tree, with the rows read from the packs behind one barrier when there are
-    several stacks: read as slices of one pack, they are an operand the stacks' kernels share, and XLA:GPU fused
-    every stack's parameter update into one multi-output kernel that read the new moments back from memory
-    (SkipNonFinite(AdamW) on a GPT-2's tree: 36 bytes a parameter where a pass over the state is 32)."""
+    """`fill` of each stack's stored tree, its rows of the packs its own (`_apart`)."""
     filled = [fill(v, packs) for v in views]
     if len(views) < 2:
         return filled
     flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in filled]
-    at = [[j for j, a in enumerate(jax.tree_util.tree_flatten(v, is_leaf=is_packed)[0]) if is_packed(a)]
-          for v in views]
-    if not any(at) or any(len(f[0]) != len(jax.tree_util.tree_flatten(v, is_leaf=is_packed)[0])
-                          for f, v in zip(flat, views)):
+    stored = [jax.tree_util.tree_flatten(v, is_leaf=is_packed)[0] for v in views]
+    at = [[j for j, a in enumerate(leaves) if is_packed(a)] for leaves in stored]
+    if not any(at) or any(len(f[0]) != len(leaves) for f, leaves in zip(flat, stored)):
         return filled
-    apart = jax.lax.optimization_barrier([[f[0][j] for j in js] for f, js in zip(flat, at)])
     out = []
-    for (leaves, treedef), js, own in zip(flat, at, apart):
+    for (leaves, treedef), js, own in zip(flat, at, _apart([[f[0][j] for j in js] for f, js in zip(flat, at)])):
         leaves = list(leaves)
         for j, a in zip(js, own):
             leaves[j] = a
