@@ -40,7 +40,15 @@ def nonneg(default: Any = dataclasses.MISSING) -> Any:
 
 def initial(default: Any = dataclasses.MISSING) -> Any:
     """A value only `init` reads (`Rprop`'s initial step size): finite and >= 0, a number or an array but not a
-    schedule, whose values after step 0 would never be read (refused at construction, naming the field)."""
+    schedule, whose values after step 0 would never be read (refused at construction, naming the field).
+
+    >>> import optim
+    >>> optim.Rprop._initial
+    ('lr',)
+    >>> optim.Rprop(lr=optim.Constant(1e-3))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: Rprop: lr is read once, by init, so a schedule's values after step 0 would never be read; ...
+    """
     return _field("initial", default)
 
 
