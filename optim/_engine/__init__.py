@@ -3,4 +3,4 @@ the storage (stacks, packs), XLA's path (the fallback strategy) with its hoistin
 analysis), and the fused CPU kernel (a strategy chosen at lowering) are its modules.
 """
 
-from . import fused as fused, xla as xla   # noqa: F401  (each registers its strategy with `strategies`)
+from . import fused as fused, onepass as onepass, xla as xla   # noqa: F401  (each registers its strategy with `strategies`)

@@ -1,0 +1,259 @@
+"""The one-pass GPU step of Adam and AdamW with 8-bit moments: a Pallas kernel, one of the engine's strategies.
+
+XLA cannot store a moment blockwise in one pass: a block's codes need its new maximum, a reduction over the new
+moments, and XLA:GPU computes that reduction in one kernel and the codes in a second, which reads the gradient
+and the old codes again to recompute the moments (or reads them back from memory). Compiled for an H100, AdamW
+with `mu_dtype=nu_dtype=q8` on one 4096x4096 parameter moved 22.2 bytes a parameter in 12 kernels, where the
+floor is 16.06 (the parameter read and written in float32, the gradient read, two codes read and written, a
+scale a block). This kernel reads each block of 256 numbers once: its parameter, gradient, codes and scales;
+dequantises, steps, finds the new maxima and writes the parameter, the codes and the scales; one launch per
+parameter.
+
+It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes) whose
+`mu_dtype` and `nu_dtype` are both 8-bit `Quantized` formats of one block size, with one gradient tree. It runs
+XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at least
+`Quantized.min_size` numbers), float32, a whole number of blocks and alone in its stack (large parameters are:
+optim._engine.group), by a call of the primitive `onepass_p`, which returns the new parameter (a `Replace`
+step) and its codes; every other parameter takes the rule's own step. The bias corrections and every small
+value are computed as XLA's path computes them (optim._engine.hoist).
+
+The choice of code is made when the program is lowered, as the fused CPU kernel's (optim._engine.kernel_choice):
+lowered for CUDA on one device, the Pallas kernel (Triton); anywhere else (CPU, TPU, a program over several
+devices, `jax.export`), the same arithmetic in XLA's operations (`reference`), which is XLA's path's, so a CPU
+process computes what it computed without this strategy. Vmapped over more than one parameter (a grouped stack),
+the primitive is replaced by `reference` when traced, which XLA's path then evaluates member by member
+(optim._engine.members). `INTERPRET = True` runs the Pallas kernel in interpret mode on the CPU instead of the
+reference (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from . import xla as xla
+from .strategies import Request, Result, Strategy, register, switch
+from .._rules.adam import Adam, AdamState, AdamW
+from .._rules.moments import bt_next, debias
+from .._rules.protocol import Replace, abs2, as_compute, eps_of, pair_of
+from .._rules.quantized import Quantized, QuantizedArray, _decode, _encode
+
+__all__ = ["ENABLED", "INTERPRET", "OnePass", "ONE_PASS", "onepass_p", "reference"]
+
+ENABLED = os.environ.get("OPTIM_ONEPASS", "1").strip().lower() not in ("0", "false", "no", "off")
+INTERPRET = False       # lowered for CPU: the Pallas kernel in interpret mode, not `reference` (tests)
+ROWS = 16               # blocks a program of the kernel steps (a power of 2, as Triton's blocks must be)
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+def _step(adamw: bool, couple: bool, x, g, m, v, s):
+    """The new parameter and moments from float32 `x`, `g` and the old moments `m`, `v`, with `s` the scalars
+    (β₁, β₂, c₁, c₂, ε, η, λ): Adam's and AdamW's `apply` (optim._rules.adam), operation by operation."""
+    b1, b2, c1, c2, eps, lr, wd = s
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * abs2(g)
+    if not adamw:
+        step = m * c1 / (jnp.sqrt(v * c2) + eps) * lr
+    else:
+        a = m * c1 / (jnp.sqrt(v * c2) + eps)
+        step = lr * (a + wd * x) if couple else lr * a + wd * x
+    return x - step, m, v
+
+
+def reference(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized, fv: Quantized):
+    """The step in XLA's operations: the moments dequantised, stepped and quantised as `load` / `store` do
+    (optim._rules.moments). Returns `(new x, m codes, m scales, v codes, v scales)`."""
+    from .._rules.quantized import quantize
+
+    m = QuantizedArray(mc, ms, fm, True, tuple(x.shape)).dequantize()
+    v = QuantizedArray(vc, vs, fv, False, tuple(x.shape)).dequantize()
+    new_x, m, v = _step(adamw, couple, x, g, m, v, tuple(s[i] for i in range(7)))
+    qm, qv = quantize(m, fm, True), quantize(v, fv, False)
+    return new_x, qm.codes, qm.scale, qv.codes, qv.scale
+
+
+def _kernel(s_ref, x_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, xo_ref, mco_ref, mso_ref, vco_ref, vso_ref, *,
+            adamw: bool, couple: bool):
+    """One program: `ROWS` blocks of the parameter, read once and written once."""
+    s = tuple(s_ref[i] for i in range(7))
+    m = _decode(mc_ref[...].astype(jnp.int32), 8, True) * ms_ref[...][:, None]
+    v = _decode(vc_ref[...].astype(jnp.int32), 8, False) * vs_ref[...][:, None]
+    xo_ref[...], m, v = _step(adamw, couple, x_ref[...], g_ref[...], m, v, s)
+    for y, signed, codes, scales in ((m, True, mco_ref, mso_ref), (v, False, vco_ref, vso_ref)):
+        top = jnp.max(jnp.abs(y), axis=-1)       # quantize's scale and reciprocal (optim._rules.quantized)
+        inv = jnp.where(top > 0, 1 / jnp.where(top > 0, top, 1), 0)
+        codes[...] = _encode(y * inv[:, None], 8, signed).astype(jnp.uint8)
+        scales[...] = top
+
+
+def _pallas(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized, fv: Quantized,
+            interpret: bool = False):
+    """The kernel over the parameter's blocks (`x` a whole number of them), its buffers updated in place."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    nb, width = mc.shape
+    rows = pl.BlockSpec((ROWS, width), lambda i: (i, 0))
+    per_block = pl.BlockSpec((ROWS,), lambda i: (i,))
+    scalars = jnp.zeros((8,), jnp.float32).at[:7].set(s[:7])
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)     # noqa: E731
+    x2, g2 = x.reshape(nb, width), g.reshape(nb, width)
+    out = pl.pallas_call(
+        functools.partial(_kernel, adamw=adamw, couple=couple), grid=(pl.cdiv(nb, ROWS),),
+        in_specs=[pl.BlockSpec((8,), lambda i: (0,)), rows, rows, rows, per_block, rows, per_block],
+        out_specs=[rows, rows, per_block, rows, per_block],
+        out_shape=[like(x2), like(mc), like(ms), like(vc), like(vs)],
+        input_output_aliases={1: 0, 3: 1, 4: 2, 5: 3, 6: 4}, interpret=interpret, name="optim_adam_q8",
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=4),
+    )(scalars, x2, g2, mc, ms, vc, vs)
+    return (out[0].reshape(x.shape), *out[1:])
+
+
+# ------------------------------------------------------------------------------------------------ primitive
+onepass_p = jcore.Primitive("optim_adam_q8")
+onepass_p.multiple_results = True
+
+
+def onepass(*args, **params) -> tuple:
+    """`reference(*args, **params)`, computed by the Pallas kernel where the program is lowered for one CUDA
+    device (see the module)."""
+    return tuple(onepass_p.bind(*args, **params))
+
+
+def _abstract(*avals, **params):
+    shapes = jax.eval_shape(functools.partial(reference, **params), *avals)
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in shapes]
+
+
+def _lowering(on_cuda: bool):
+    def rule(ctx, *args, **params):
+        ctx_m = ctx.module_context
+        ax = ctx_m.axis_context     # a program over several devices: XLA partitions its own operations only
+        one_device = type(ax).__name__ == "SingleDeviceAxisContext" or (
+            type(ax).__name__ == "ShardingContext" and ax.num_devices == 1)
+        if on_cuda and one_device and not ctx_m.lowering_parameters.for_export:
+            fn = functools.partial(_pallas, **params)
+        elif INTERPRET and not on_cuda:
+            fn = functools.partial(_pallas, **params, interpret=True)
+        else:
+            fn = functools.partial(reference, **params)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return rule
+
+
+def _batch(args, dims, **params):
+    sizes = {a.shape[d] for a, d in zip(args, dims) if d is not None}
+    if sizes == {1}:
+        # A parameter alone in its stack: its arrays read through their stack of one (a reshape).
+        squeezed = [a if d is None else jnp.squeeze(a, d) for a, d in zip(args, dims)]
+        return [o[None] for o in onepass(*squeezed, **params)], [0] * 5
+    # A group: XLA's own operations, which XLA's path evaluates member by member (optim._engine.members).
+    axes = tuple(dims)
+    return list(jax.vmap(functools.partial(reference, **params), in_axes=axes)(*args)), [0] * 5
+
+
+def _jvp(primals, tangents, **params):
+    dots = tuple(ad.instantiate_zeros(t) for t in tangents)
+    out, dout = jax.jvp(functools.partial(reference, **params), tuple(primals), dots)
+    return list(out), list(dout)
+
+
+onepass_p.def_impl(lambda *args, **params: jax.jit(functools.partial(onepass, **params))(*args))
+onepass_p.def_abstract_eval(_abstract)
+mlir.register_lowering(onepass_p, _lowering(False))
+mlir.register_lowering(onepass_p, _lowering(True), platform="cuda")
+batching.primitive_batchers[onepass_p] = _batch
+ad.primitive_jvps[onepass_p] = _jvp
+
+
+# ------------------------------------------------------------------------------------------------ the rule
+def _fits(x, dx, mu, nu) -> bool:
+    return (isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray)
+            and jnp.dtype(x.dtype) == jnp.float32 and jnp.dtype(dx.dtype) == jnp.float32
+            and x.size % mu.fmt.block == 0 and tuple(mu.codes.shape) == (x.size // mu.fmt.block, mu.fmt.block))
+
+
+def _apply(self, state, x, dx, *dxs):
+    """Adam's or AdamW's `apply` (optim._rules.adam) with the large arithmetic in `onepass`."""
+    mu, nu = state[0], state[1]
+    if not _fits(x, dx, mu, nu):
+        return type(self).__mro__[1].apply(self, state, x, dx, *dxs)
+    bt = bt_next(state[2], self.beta, x)
+    c1, c2 = debias(bt)
+    b1, b2 = pair_of(self.beta, x)
+    adamw = isinstance(self, AdamW)
+    wd = as_compute(self.weight_decay, x) if adamw else jnp.zeros((), jnp.float32)
+    s = jnp.stack([b1, b2, c1, c2, eps_of(self.eps, x), as_compute(self.lr, x), wd]).astype(jnp.float32)
+    new_x, mc, ms, vc, vs = onepass(x, dx, mu.codes, mu.scale, nu.codes, nu.scale, s, adamw=adamw,
+                                    couple=bool(getattr(self, "couple", True)), fm=mu.fmt, fv=nu.fmt)
+    new_state = AdamState(dataclasses.replace(mu, codes=mc, scale=ms), dataclasses.replace(nu, codes=vc, scale=vs),
+                          bt)
+    return new_state, Replace(new_x)
+
+
+class _OnePassAdam(Adam):
+    apply = _apply
+
+
+class _OnePassAdamW(AdamW):
+    apply = _apply
+
+
+_SUBSTITUTE = {Adam: _OnePassAdam, AdamW: _OnePassAdamW}
+
+
+def _substitute(rule: Any) -> Any:
+    """`rule` (an `Adam` or `AdamW`) as its one-pass class, with the same fields."""
+    new = object.__new__(_SUBSTITUTE[type(rule)])
+    for f in dataclasses.fields(rule):
+        object.__setattr__(new, f.name, getattr(rule, f.name))
+    return new
+
+
+class OnePass(Strategy):
+    """The one-pass quantised Adam step as one of the engine's strategies (see the module)."""
+
+    name = "the one-pass quantised Adam kernel"
+
+    def enabled(self) -> bool:
+        return ENABLED
+
+    def wide(self, rule: Any) -> bool:
+        return False
+
+    def refuse(self, request: Request) -> str | None:
+        rule = request.rule
+        if not self.enabled():
+            return "turned off (OPTIM_ONEPASS=0)"
+        if type(rule) not in _SUBSTITUTE:
+            return "its rule is not Adam or AdamW"
+        fm, fv = rule.mu_dtype, rule.nu_dtype
+        if not (isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm.bits == fv.bits == 8
+                and fm.block == fv.block):
+            return "its moments are not both 8-bit Quantized formats of one block size"
+        if request.n_trees != 1:
+            return f"{request.n_trees} gradient trees"
+        quantised = lambda a: isinstance(a, QuantizedArray)     # noqa: E731
+        if any(n > 1 and any(map(quantised, jax.tree.leaves(st, is_leaf=quantised)))
+               for n, st in zip(request.sizes, request.stored)):
+            # Its new parameters would be read out of the stack's result (a `Replace`), not written by XLA's
+            # path in each member's own array (optim._engine.members): a copy of each.
+            return "a group of parameters with quantised moments"
+        return None
+
+    def run(self, request: Request) -> Result:
+        new_stored, new_params, written = xla.rule_step(request._replace(rule=_substitute(request.rule)))
+        return Result(new_stored, new_params, written, xla.mirrors(new_params, request.mirrors))
+
+
+ONE_PASS = register(OnePass())
+switch(sys.modules[__name__], "ENABLED")
+switch(sys.modules[__name__], "INTERPRET")

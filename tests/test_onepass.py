@@ -1,0 +1,167 @@
+"""The one-pass quantised Adam step (optim._engine.onepass): on the CPU it lowers to XLA's operations, which must
+compute exactly what XLA's path computes without it; its Pallas kernel, run in interpret mode, against XLA's path;
+which requests it takes and why it refuses the others; vmap, a tie, a `None` gradient, a derivative and export
+through it. What it compiles to on an H100 (one kernel a parameter, the bytes' floor) is in
+`tests/test_gpu_kernels.py`."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optim
+from optim._engine import onepass
+
+Q8 = dict(mu_dtype=optim.q8, nu_dtype=optim.q8)
+RULES = {
+    "Adam": lambda: optim.Adam(1e-2, **Q8),
+    "AdamW": lambda: optim.AdamW(1e-2, weight_decay=0.3, **Q8),
+    "AdamW uncoupled": lambda: optim.AdamW(1e-2, weight_decay=1e-3, couple=False, **Q8),
+}
+
+
+def _params():
+    k = jax.random.split(jax.random.key(0), 3)
+    # w: 64 blocks of 256 (4 programs of the kernel); r: 66 blocks (a partial last program); u: 5000 numbers, not a
+    # whole number of blocks (XLA's path); b: too small to be quantised
+    return {"w": jax.random.normal(k[0], (64, 256)), "r": jax.random.normal(k[1], (33, 512)),
+            "u": jax.random.normal(k[2], (100, 50)), "b": jnp.linspace(-1.0, 1.0, 7)}
+
+
+def _grads(params, i):
+    return jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), p.shape), params)
+
+
+def _train(monkeypatch, rule, *, enabled, interpret=False, steps=4, none_at=None):
+    monkeypatch.setattr(onepass, "ENABLED", enabled)
+    monkeypatch.setattr(onepass, "INTERPRET", interpret)
+    params = _params()
+    state = optim.setup(rule, params)
+    for i in range(steps):
+        g = _grads(params, i)
+        if i == none_at:
+            g["w"] = None
+        state, params = optim.update(state, params, g)
+    return state, params
+
+
+def _leaves(tree):
+    return [np.asarray(a) for a in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_cpu_lowering_is_xla_s_path_bitwise(monkeypatch, name):
+    on = _train(monkeypatch, RULES[name](), enabled=True, none_at=2)
+    off = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
+    for a, b in zip(_leaves(on), _leaves(off)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
+    """The kernel in interpret mode: the same operations, compiled differently (another CPU may contract a
+    product and a sum differently): parameters within a few float32 ulp, codes within one code."""
+    calls = []
+    real = onepass._pallas
+    monkeypatch.setattr(onepass, "_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
+    (s1, p1) = _train(monkeypatch, RULES[name](), enabled=True, interpret=True)
+    (s0, p0) = _train(monkeypatch, RULES[name](), enabled=False)
+    assert len(calls) == 2          # w and r, traced once
+    for k in p0:
+        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+    for a, b in zip(_leaves(s1), _leaves(s0)):
+        if a.dtype == np.uint8:
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
+def _refusal(rule, params, grads, caplog, *extra):
+    state = optim.setup(rule, params)
+    with caplog.at_level(logging.DEBUG, logger="optim"):
+        optim.update(state, params, grads, *extra)
+    return [r.getMessage() for r in caplog.records if onepass.ONE_PASS.name in r.getMessage()]
+
+
+@pytest.mark.parametrize("rule, why", [
+    (optim.NAdam(1e-3, **Q8), "its rule is not Adam or AdamW"),
+    (optim.Adam(1e-3, mu_dtype=optim.q4, nu_dtype=optim.q4), "not both 8-bit Quantized formats"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8), "not both 8-bit Quantized formats"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "not both 8-bit Quantized formats"),
+])
+def test_refusals(caplog, rule, why):
+    params = {"w": jnp.ones((64, 256))}
+    got = _refusal(rule, params, params, caplog)
+    assert got and why in got[0], got
+
+
+def test_refuses_two_gradient_trees(caplog):
+    params = {"w": jnp.ones((64, 256))}
+    got = _refusal(optim.Adam(1e-3, **Q8), params, params, caplog, params)
+    assert got and "2 gradient trees" in got[0], got
+
+
+def test_refuses_a_group_of_quantised_parameters(monkeypatch, caplog):
+    from optim._engine import group
+    monkeypatch.setattr(group, "MODE", "all")
+    params = {f"w{i}": jnp.ones((64, 256)) for i in range(3)}
+    got = _refusal(optim.Adam(1e-3, **Q8), params, params, caplog)
+    assert got and "a group of parameters with quantised moments" in got[0], got
+
+
+def test_vmap_of_update_equals_each_model(monkeypatch):
+    """Under the user's vmap the primitive sees a batch of 3 models: XLA's operations, vmapped."""
+    rule = RULES["AdamW"]()
+    params = {"w": jax.random.normal(jax.random.key(2), (3, 64, 256))}
+    grads = {"w": jax.random.normal(jax.random.key(3), (3, 64, 256))}
+    one = [optim.setup(rule, {"w": params["w"][i]}) for i in range(3)]
+    each = [optim.update(s, {"w": params["w"][i]}, {"w": grads["w"][i]}) for i, s in enumerate(one)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *one)
+    got_state, got = jax.vmap(optim.update)(stacked, params, grads)
+    for i, (s, p) in enumerate(each):
+        np.testing.assert_array_equal(got["w"][i], p["w"])
+        for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(s)):
+            np.testing.assert_array_equal(a[i], b)
+
+
+def test_tie_sums_gradients_and_writes_both_positions():
+    w = jax.random.normal(jax.random.key(4), (64, 256))
+    model = {"emb": w, "head": w}
+    state = optim.setup(optim.Adam(1e-2, **Q8), model)
+    g1, g2 = jnp.full(w.shape, 0.5), jnp.full(w.shape, -0.25)
+    state, new = optim.update(state, model, {"emb": g1, "head": g2})
+    alone = optim.setup(optim.Adam(1e-2, **Q8), {"emb": w})
+    _, want = optim.update(alone, {"emb": w}, {"emb": g1 + g2})
+    np.testing.assert_array_equal(new["emb"], want["emb"])
+    np.testing.assert_array_equal(new["head"], want["emb"])
+
+
+def test_derivative_through_the_step(monkeypatch):
+    """A derivative with respect to the learning rate goes through XLA's operations (the kernel has none): the
+    same as without the strategy."""
+    w = jax.random.normal(jax.random.key(5), (64, 256))
+    g = jax.random.normal(jax.random.key(6), (64, 256))
+
+    def loss(lr):
+        state = optim.adjust(optim.setup(optim.Adam(1e-2, **Q8), w), lr=lr)
+        _, new = optim.update(state, w, g)
+        return jnp.sum(new * new)
+
+    got = jax.grad(loss)(jnp.float32(1e-2))
+    monkeypatch.setattr(onepass, "ENABLED", False)
+    want = jax.grad(loss)(jnp.float32(1e-2))
+    assert got == want and got != 0
+
+
+def test_export_lowers_xla_s_operations():
+    w = jnp.ones((64, 256))
+    state = optim.setup(optim.AdamW(1e-3, **Q8), w)
+    exp = jax.export.export(jax.jit(optim.update), platforms=("cpu", "cuda"))(state, w, w)
+    assert "stablehlo.custom_call" not in exp.mlir_module()
+    _, got = exp.call(state, w, w)
+    _, want = optim.update(state, w, w)
+    np.testing.assert_array_equal(got, want)
