@@ -1,8 +1,8 @@
-"""The one-pass quantised Adam step (optim._engine.onepass): on the CPU it lowers to XLA's operations, which must
-compute exactly what XLA's path computes without it; its Pallas kernel, run in interpret mode, against XLA's path;
-which requests it takes and why it refuses the others; vmap, a tie, a `None` gradient, a derivative and export
-through it. What it compiles to on an H100 (one kernel a parameter, the bytes' floor) is in
-`tests/test_gpu_kernels.py`."""
+"""The one-pass quantised Adam step (optim._engine.onepass; q8 and q4): on the CPU it lowers to XLA's operations,
+which must compute exactly what XLA's path computes without it; its Pallas kernel, run in interpret mode,
+against XLA's path; which requests it takes and why it refuses the others; vmap, a tie, a `None` gradient, a
+derivative and export through it. What it compiles to on an H100 (one kernel a parameter, the bytes' floor) is
+in `tests/test_gpu_kernels.py`."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ import optim
 from optim._engine import onepass
 
 Q8 = dict(mu_dtype=optim.q8, nu_dtype=optim.q8)
+Q4 = dict(mu_dtype=optim.q4, nu_dtype=optim.q4)
 RULES = {
     "Adam": lambda: optim.Adam(1e-2, **Q8),
     "AdamW": lambda: optim.AdamW(1e-2, weight_decay=0.3, **Q8),
     "AdamW uncoupled": lambda: optim.AdamW(1e-2, weight_decay=1e-3, couple=False, **Q8),
+    "Adam q4": lambda: optim.Adam(1e-2, **Q4),
+    "AdamW q4": lambda: optim.AdamW(1e-2, weight_decay=0.3, **Q4),
+    "AdamW q4 block 64": lambda: optim.AdamW(1e-2, mu_dtype=optim.Quantized(4, 64), nu_dtype=optim.Quantized(4, 64)),
 }
 
 
@@ -89,9 +93,9 @@ def _refusal(rule, params, grads, caplog, *extra):
 
 @pytest.mark.parametrize("rule, why", [
     (optim.NAdam(1e-3, **Q8), "its rule is not Adam or AdamW"),
-    (optim.Adam(1e-3, mu_dtype=optim.q4, nu_dtype=optim.q4), "not both 8-bit Quantized formats"),
-    (optim.Adam(1e-3, mu_dtype=optim.q8), "not both 8-bit Quantized formats"),
-    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "not both 8-bit Quantized formats"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.q4), "not both stored in one Quantized format"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8), "not both stored in one Quantized format"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "not both stored in one Quantized format"),
 ])
 def test_refusals(caplog, rule, why):
     params = {"w": jnp.ones((64, 256))}

@@ -1,17 +1,17 @@
-"""The one-pass GPU step of Adam and AdamW with 8-bit moments: a Pallas kernel, one of the engine's strategies.
+"""The one-pass GPU step of Adam and AdamW with quantised moments: a Pallas kernel, one of the engine's strategies.
 
 XLA cannot store a moment blockwise in one pass: a block's codes need its new maximum, a reduction over the new
 moments, and XLA:GPU computes that reduction in one kernel and the codes in a second, which reads the gradient
 and the old codes again to recompute the moments (or reads them back from memory). Compiled for an H100, AdamW
 with `mu_dtype=nu_dtype=q8` on one 4096x4096 parameter moved 22.2 bytes a parameter in 12 kernels, where the
 floor is 16.06 (the parameter read and written in float32, the gradient read, two codes read and written, a
-scale a block). This kernel reads each block of 256 numbers once: its parameter, gradient, codes and scales;
-dequantises, steps, finds the new maxima and writes the parameter, the codes and the scales; one launch per
-parameter.
+scale a block). This kernel reads each block once: its parameter, gradient, codes and scales; dequantises,
+steps, finds the new maxima and writes the parameter, the codes and the scales; one launch per parameter. With
+4-bit codes (two a byte) the even and the odd numbers of a block step as two strided parts.
 
 It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes) whose
-`mu_dtype` and `nu_dtype` are both 8-bit `Quantized` formats of one block size, with one gradient tree. It runs
-XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at least
+`mu_dtype` and `nu_dtype` are one `Quantized` format (`q8`, `q4`, or another block size), with one gradient
+tree. It runs XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at least
 `Quantized.min_size` numbers), float32, a whole number of blocks and alone in its stack (large parameters are:
 optim._engine.group), by a call of the primitive `onepass_p`, which returns the new parameter (a `Replace`
 step) and its codes; every other parameter takes the rule's own step. The bias corrections and every small
@@ -81,16 +81,28 @@ def reference(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantiz
 
 
 def _kernel(s_ref, x_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, xo_ref, mco_ref, mso_ref, vco_ref, vso_ref, *,
-            adamw: bool, couple: bool):
-    """One program: `ROWS` blocks of the parameter, read once and written once."""
+            adamw: bool, couple: bool, bits: int):
+    """One program: `ROWS` blocks of the parameter, read once and written once. With 4 bits a byte holds the codes
+    of two neighbours (the even one in its low half): the even and the odd numbers step as two strided parts."""
+    from jax.experimental import pallas as pl
+
     s = tuple(s_ref[i] for i in range(7))
-    m = _decode(mc_ref[...].astype(jnp.int32), 8, True) * ms_ref[...][:, None]
-    v = _decode(vc_ref[...].astype(jnp.int32), 8, False) * vs_ref[...][:, None]
-    xo_ref[...], m, v = _step(adamw, couple, x_ref[...], g_ref[...], m, v, s)
-    for y, signed, codes, scales in ((m, True, mco_ref, mso_ref), (v, False, vco_ref, vso_ref)):
-        top = jnp.max(jnp.abs(y), axis=-1)       # quantize's scale and reciprocal (optim._rules.quantized)
-        inv = jnp.where(top > 0, 1 / jnp.where(top > 0, top, 1), 0)
-        codes[...] = _encode(y * inv[:, None], 8, signed).astype(jnp.uint8)
+    half = x_ref.shape[1] // 2
+    parts = [slice(None)] if bits == 8 else [pl.ds(0, half, stride=2), pl.ds(1, half, stride=2)]
+    old = [(mc_ref[...].astype(jnp.int32), ms_ref[...][:, None], True),
+           (vc_ref[...].astype(jnp.int32), vs_ref[...][:, None], False)]
+    new = []
+    for k, part in enumerate(parts):
+        m, v = (_decode(c if bits == 8 else (c & 15 if k == 0 else c >> 4), bits, signed) * scale
+                for c, scale, signed in old)
+        xo_ref[:, part], m, v = _step(adamw, couple, x_ref[:, part], g_ref[:, part], m, v, s)
+        new.append((m, v))
+    for j, (signed, codes, scales) in enumerate(((True, mco_ref, mso_ref), (False, vco_ref, vso_ref))):
+        ys = [n[j] for n in new]
+        top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(y), axis=-1) for y in ys])   # the block's maximum
+        inv = jnp.where(top > 0, 1 / jnp.where(top > 0, top, 1), 0)     # quantize's (optim._rules.quantized)
+        c = [_encode(y * inv[:, None], bits, signed) for y in ys]
+        codes[...] = (c[0] if bits == 8 else c[0] | (c[1] << 4)).astype(jnp.uint8)
         scales[...] = top
 
 
@@ -100,25 +112,26 @@ def _pallas(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    nb, width = mc.shape
-    rows = pl.BlockSpec((ROWS, width), lambda i: (i, 0))
+    nb, block = ms.shape[0], fm.block
+    rows = pl.BlockSpec((ROWS, block), lambda i: (i, 0))
+    code_rows = pl.BlockSpec((ROWS, mc.shape[1]), lambda i: (i, 0))
     per_block = pl.BlockSpec((ROWS,), lambda i: (i,))
     scalars = jnp.zeros((8,), jnp.float32).at[:7].set(s[:7])
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)     # noqa: E731
-    x2, g2 = x.reshape(nb, width), g.reshape(nb, width)
+    x2, g2 = x.reshape(nb, block), g.reshape(nb, block)
     out = pl.pallas_call(
-        functools.partial(_kernel, adamw=adamw, couple=couple), grid=(pl.cdiv(nb, ROWS),),
-        in_specs=[pl.BlockSpec((8,), lambda i: (0,)), rows, rows, rows, per_block, rows, per_block],
-        out_specs=[rows, rows, per_block, rows, per_block],
+        functools.partial(_kernel, adamw=adamw, couple=couple, bits=fm.bits), grid=(pl.cdiv(nb, ROWS),),
+        in_specs=[pl.BlockSpec((8,), lambda i: (0,)), rows, rows, code_rows, per_block, code_rows, per_block],
+        out_specs=[rows, code_rows, per_block, code_rows, per_block],
         out_shape=[like(x2), like(mc), like(ms), like(vc), like(vs)],
-        input_output_aliases={1: 0, 3: 1, 4: 2, 5: 3, 6: 4}, interpret=interpret, name="optim_adam_q8",
+        input_output_aliases={1: 0, 3: 1, 4: 2, 5: 3, 6: 4}, interpret=interpret, name=f"optim_adam_q{fm.bits}",
         compiler_params=None if interpret else plt.CompilerParams(num_warps=4),
     )(scalars, x2, g2, mc, ms, vc, vs)
     return (out[0].reshape(x.shape), *out[1:])
 
 
 # ------------------------------------------------------------------------------------------------ primitive
-onepass_p = jcore.Primitive("optim_adam_q8")
+onepass_p = jcore.Primitive("optim_adam_quantized")
 onepass_p.multiple_results = True
 
 
@@ -178,7 +191,8 @@ ad.primitive_jvps[onepass_p] = _jvp
 def _fits(x, dx, mu, nu) -> bool:
     return (isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray)
             and jnp.dtype(x.dtype) == jnp.float32 and jnp.dtype(dx.dtype) == jnp.float32
-            and x.size % mu.fmt.block == 0 and tuple(mu.codes.shape) == (x.size // mu.fmt.block, mu.fmt.block))
+            and x.size % mu.fmt.block == 0
+            and tuple(mu.codes.shape) == (x.size // mu.fmt.block, mu.fmt.block * mu.fmt.bits // 8))
 
 
 def _apply(self, state, x, dx, *dxs):
@@ -236,9 +250,8 @@ class OnePass(Strategy):
         if type(rule) not in _SUBSTITUTE:
             return "its rule is not Adam or AdamW"
         fm, fv = rule.mu_dtype, rule.nu_dtype
-        if not (isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm.bits == fv.bits == 8
-                and fm.block == fv.block):
-            return "its moments are not both 8-bit Quantized formats of one block size"
+        if not (isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm == fv):
+            return "its moments are not both stored in one Quantized format"
         if request.n_trees != 1:
             return f"{request.n_trees} gradient trees"
         quantised = lambda a: isinstance(a, QuantizedArray)     # noqa: E731
