@@ -19,7 +19,8 @@ from ._interop.optax import WholeTreeError, from_optax, with_extra_args
 from ._interop.to_optax import to_optax
 from ._core.destructure import destructure, trainables
 from ._core.microbatch import microbatch
-from ._rules.layerwise import Lamb, Lars, Muon
+from ._rules.layerwise import Lamb, Lars
+from ._rules.muon import Muon
 from ._rules.soap import SOAP
 from ._rules.lr_free import DoG, Prodigy
 from ._rules.adopt import ADOPT

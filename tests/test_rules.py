@@ -34,6 +34,7 @@ import optim
 from conftest import close, counted_update
 from rule_cases import RULES, table
 from rule_refs import r_lion, r_lion_optimisers_jl, r_radam
+from optim._rules.muon import _POLAR_EXPRESS, _schedule
 
 
 # =============================================================================================== helpers
@@ -601,6 +602,9 @@ def test_muon_step_is_nearly_orthogonal():
         optim.setup(optim.Muon(), {"b": jnp.ones(3)})
 
 
+# optax's names for optim's ns_coeffs: it has no Polar Express preset, so it gets the triples (the first five)
+MUON_OPTAX_COEFFS = {"standard": "standard", "dion": "dion", "polar_express": _POLAR_EXPRESS[:5]}
+
 MUON_CASES = [
     ("defaults", {}, {}, {"w": (6, 4), "v": (3, 9)}),
     ("no nesterov,rho .8,wd", dict(rho=0.8, weight_decay=0.1, nesterov=False),
@@ -613,6 +617,20 @@ MUON_CASES = [
      dict(muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)), {"k": (2, 2, 3, 5)}),
     ("batch axis", dict(reduction_axis=1, output_axis=2),
      dict(muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 2)), {"b": (3, 4, 6)}),
+    # the iteration's coefficients and the scaling before it, on tall, wide and square matrices
+    *((f"{coeffs},{pre}", dict(ns_coeffs=coeffs, preconditioning=pre),
+       dict(ns_coeffs=MUON_OPTAX_COEFFS[coeffs], preconditioning=pre), {"w": (6, 4), "v": (3, 9), "s": (5, 5)})
+      for coeffs in ("standard", "dion", "polar_express") for pre in ("frobenius", "spectral", "aol", "schatten")),
+    ("a triple, 3 steps", dict(ns_coeffs=(3.0, -3.2, 1.2), steps=3), dict(ns_coeffs=(3.0, -3.2, 1.2), ns_steps=3),
+     {"w": (6, 4), "v": (3, 9)}),
+    ("per-step triples,aol", dict(ns_coeffs=[(3.5, -4.5, 1.8), (3.0, -3.2, 1.2), (2.0, -1.5, 0.5)],
+                                  preconditioning="aol"),
+     dict(ns_coeffs=((3.5, -4.5, 1.8), (3.0, -3.2, 1.2), (2.0, -1.5, 0.5)), ns_steps=3, preconditioning="aol"),
+     {"w": (6, 4), "v": (3, 9)}),
+    ("polar_express 8 steps,conv axes", dict(ns_coeffs="polar_express", steps=8, reduction_axis=(0, 1, 2),
+                                             output_axis=-1),
+     dict(ns_coeffs=_POLAR_EXPRESS, ns_steps=8,
+          muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)), {"k": (2, 2, 3, 5)}),
 ]
 
 
@@ -665,9 +683,53 @@ def test_muon_defaults_are_optax_defaults():
 
     sig = inspect.signature(optax.contrib.muon).parameters
     r = O.Muon()
-    assert (r.rho, r.eps, r.weight_decay, r.nesterov, r.adaptive, r.steps, r.consistent_rms) == tuple(
-        sig[k].default for k in ("beta", "eps", "weight_decay", "nesterov", "adaptive", "ns_steps", "consistent_rms"))
+    assert (r.rho, r.eps, r.weight_decay, r.nesterov, r.adaptive, r.consistent_rms, r.preconditioning) == tuple(
+        sig[k].default for k in ("beta", "eps", "weight_decay", "nesterov", "adaptive", "consistent_rms",
+                                 "preconditioning"))
     assert (r.reduction_axis, r.output_axis) == ((0,), None)
+    # steps=None: optax's ns_steps (5) with one triple, the number of triples with per-step coefficients
+    assert r.steps is None and _schedule("Muon", r.ns_coeffs, r.steps) == (sig["ns_coeffs"].default,) * 5
+    assert sig["ns_steps"].default == 5 and r.ns_coeffs == "standard"
+
+
+MUON_F32_CASES = [(coeffs, pre) for coeffs in ("standard", "dion", "polar_express")
+                  for pre in ("frobenius", "spectral", "aol", "schatten")]
+
+
+@pytest.mark.parametrize("coeffs, pre", MUON_F32_CASES, ids=[f"{c},{p}" for c, p in MUON_F32_CASES])
+def test_muon_options_match_optax_float32(coeffs, pre):
+    """10 float32 steps against `optax.contrib.muon` on tall, wide and square matrices: the same operations in
+    float32, equal to rounding (within 1e-4 of the displacement; Polar Express's first step multiplies by ~8)."""
+    rng = np.random.default_rng(5)
+    model = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in (("w", (6, 4)), ("v", (3, 9)),
+                                                                             ("s", (5, 5)))}
+    state = optim.setup(O.Muon(0.05, ns_coeffs=coeffs, preconditioning=pre), model)
+    tx = optax.contrib.muon(0.05, ns_coeffs=MUON_OPTAX_COEFFS[coeffs], preconditioning=pre)
+    p, s = dict(model), tx.init(model)
+    step, ostep = jax.jit(optim.update), _optax_step(tx)
+    start = {k: np.asarray(v) for k, v in model.items()}
+    for t in range(10):
+        g = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in model.items()}
+        state, model = step(state, model, g)
+        p, s = ostep(p, s, g)
+        for k in model:
+            moved = np.max(np.abs(np.asarray(p[k]) - start[k]))
+            close(model[k], p[k], rtol=0, atol=1e-4 * moved, err_msg=f"step {t + 1}, {k}")
+
+
+@pytest.mark.parametrize("coeffs, steps, want", [
+    ("standard", None, 5), ("standard", 3, 3), ("dion", None, 5), ("dion", 5, 5), ("polar_express", None, 5),
+    ("polar_express", 10, 10), (((1.5, -0.5, 0.0),) * 2, None, 2), ([(1.5, -0.5, 0.0)], 1, 1)])
+def test_muon_number_of_steps(coeffs, steps, want):
+    """One triple repeats `steps` (default 5) times; per-step triples fix the number; Polar Express takes its
+    first `steps` and repeats its last (the paper's code)."""
+    r = O.Muon(ns_coeffs=coeffs, steps=steps)
+    schedule = _schedule("Muon", r.ns_coeffs, r.steps)
+    assert len(schedule) == want
+    if coeffs == "polar_express":
+        assert schedule == (_POLAR_EXPRESS + (_POLAR_EXPRESS[-1],) * 2)[:want]
+        assert _POLAR_EXPRESS[0] == pytest.approx((8.28721201814563 / 1.01, -23.595886519098837 / 1.01 ** 3,
+                                                   17.300387312530933 / 1.01 ** 5), rel=1e-15)
 
 
 MUON_BAD_AXES = [

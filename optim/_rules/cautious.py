@@ -15,7 +15,7 @@ from .ademamix import AdEMAMix
 from .adafactor import Adafactor
 from .adam import AdamW
 from .average import refuse_ema_in
-from .layerwise import Muon
+from .muon import Muon
 from .protocol import Gated, Replace, Rule, apply_all, apply_one, as_compute, average_of, is_rule
 from .wrappers import MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite
 
