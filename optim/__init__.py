@@ -22,6 +22,7 @@ from ._core.microbatch import microbatch
 from ._rules.layerwise import Lamb, Lars
 from ._rules.muon import Muon
 from ._rules.soap import SOAP
+from ._rules.shampoo import Shampoo
 from ._rules.lr_free import DoG, Prodigy
 from ._rules.adopt import ADOPT
 from ._rules.ademamix import AdEMAMix
@@ -59,7 +60,7 @@ __all__ = [
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "fields",
-    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "SOAP", "global_norm",
+    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "SOAP", "Shampoo", "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",

@@ -62,7 +62,7 @@ from optim._rules.protocol import inner_fields
 from rule_refs import (
     r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_ademamix, r_adopt, r_amsgrad, r_cautious,
     r_chain, r_clipgrad, r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop,
-    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog,
+    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog, r_shampoo,
 )
 
 O = optim
@@ -1078,6 +1078,59 @@ RULES = [
         no_optax="optax 0.2.8 has no SOAP: test_soap.py compares with the authors' PyTorch soap.py and a numpy "
                  "reference",
         zero1=(Case("SOAP", lambda: O.SOAP(0.01, precondition_frequency=1)),),
+    ),
+    # Shampoo: the reference cases run on a vector, which takes the graft's step (no factor); the stacking test
+    # runs them on matrices too (blocks, roots, grafting), and test_shampoo.py compares matrices with the same
+    # numpy reference and with precondition-opt's distributed_shampoo (a stored fixture).
+    RuleCases(
+        O.Shampoo, O.Shampoo(1e-3, (0.9, 0.999), 1024, 100, 101, "adam", 1e-6, 0.0, 1e-10, True), has_lr=True,
+        reduces_over_parameter=True,
+        references=(
+            Reference("Shampoo()", lambda: O.Shampoo(), r_shampoo(), 5),
+            Reference("Shampoo(rmsprop,blocks)", lambda: O.Shampoo(
+                0.05, (0.8, 0.95), 2, 2, 1, "rmsprop", 1e-2, 0.1, 1e-8), r_shampoo(
+                0.05, (0.8, 0.95), 2, 2, 1, "rmsprop", 1e-2, 0.1, 1e-8), 8),
+            Reference("Shampoo(sgd,no nesterov)", lambda: O.Shampoo(
+                0.02, (0.5, 0.9), 3, 3, 0, "sgd", 1e-2, nesterov=False), r_shampoo(
+                0.02, (0.5, 0.9), 3, 3, 0, "sgd", 1e-2, nesterov=False), 8),
+            Reference("Shampoo(adagrad)", lambda: O.Shampoo(0.05, (0.7, 0.9), 4, 1, 2, "adagrad", 1e-2),
+                      r_shampoo(0.05, (0.7, 0.9), 4, 1, 2, "adagrad", 1e-2), 8)),
+        stacked=(Case("Shampoo+schedule", lambda: O.Shampoo(O.Linear(0.05, 0.01, 4), precondition_every=2,
+                                                            start_preconditioning_step=1, matrix_eps=1e-2)),),
+        converges=(Converges("Shampoo(0.05)", lambda: O.Shampoo(0.05, precondition_every=5,
+                                                                start_preconditioning_step=6), 2e-3),),  # 4.5e-4
+        dtypes=(Case("Shampoo", lambda: O.Shampoo(0.01, precondition_every=1, start_preconditioning_step=0)),),
+        keywords=((lambda: O.Shampoo(nesterov=False, diagonal_eps=1e-8, weight_decay=0.1, matrix_eps=1e-4,
+                                     graft="sgd", start_preconditioning_step=3, precondition_every=2, block_size=8,
+                                     beta=(0.8, 0.9), lr=0.2),
+                   lambda: O.Shampoo(0.2, (0.8, 0.9), 8, 2, 3, "sgd", 1e-4, 0.1, 1e-8, False)),),
+        bad=(Bad("Shampoo beta2 = 1", lambda: O.Shampoo(beta=(0.9, 1.0)), ValueError,
+                 r"Shampoo: beta\[1\] must be in \[0, 1\) and finite, got 1.0"),
+             Bad("Shampoo matrix_eps", lambda: O.Shampoo(matrix_eps=-1.0), ValueError,
+                 "Shampoo: matrix_eps must be >= 0 and finite, got -1.0"),
+             Bad("Shampoo precondition_every 0", lambda: O.Shampoo(precondition_every=0), ValueError,
+                 "Shampoo: precondition_every must be an integer >= 1, got 0"),
+             Bad("Shampoo start -1", lambda: O.Shampoo(start_preconditioning_step=-1), ValueError,
+                 "Shampoo: start_preconditioning_step must be an integer >= 0, got -1")),
+        structural=(
+            Bad("Shampoo block_size 0", lambda: O.Shampoo(block_size=0), ValueError,
+                r"Shampoo: block_size must be >= 1, got 0 \(it is the longest side of a block\)"),
+            Bad("Shampoo block_size 2.5", lambda: O.Shampoo(block_size=2.5), TypeError,
+                "Shampoo: block_size must be an integer, got float 2.5"),
+            Bad("Shampoo graft lion", lambda: O.Shampoo(graft="lion"), ValueError,
+                "Shampoo: graft must be one of 'adam', 'rmsprop', 'adagrad', 'sgd', got 'lion'"),
+            Bad("Shampoo graft 1", lambda: O.Shampoo(graft=1), TypeError, "Shampoo: graft must be a string, got int 1"),
+            Bad("Shampoo nesterov", lambda: O.Shampoo(nesterov="no"), TypeError,
+                "Shampoo: nesterov must be True or False, got str 'no'")),
+        adjust=((lambda: O.Shampoo(0.01, precondition_every=2, start_preconditioning_step=1),
+                 [{"lr": 0.001}, {"beta": (0.5, 0.9), "matrix_eps": 1e-4, "weight_decay": 0.1, "diagonal_eps": 1e-8,
+                                  "precondition_every": 3, "start_preconditioning_step": 5}]),),
+        no_optax="optax 0.2.8 has no Shampoo: test_shampoo.py compares with precondition-opt's distributed_shampoo "
+                 "(a stored fixture) and the numpy reference on matrices",
+        # matrix_eps 1e-3: the roots of the first statistics (one gradient) are ill-conditioned, and the sharded
+        # program rounds the statistics otherwise than the unsharded one
+        zero1=(Case("Shampoo", lambda: O.Shampoo(0.01, block_size=4, precondition_every=2,
+                                                 start_preconditioning_step=1, matrix_eps=1e-3)),),
     ),
     RuleCases(
         O.Scale,

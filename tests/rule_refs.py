@@ -354,3 +354,74 @@ def r_dog(lr=1.0, reps_rel=1e-6, eps=1e-8, init_learning_rate=None):
         size = first if (first is not None and is_first) else r / math.sqrt(big_g + eps)
         return (x0, r, big_g, False), lr * size * g
     return Ref(init, apply)
+
+
+def _inverse_root_np(m, p, eps):
+    """`(M + r I)^(-1/p)` by eigh with `r = eps * max(λ_max, 1e-6)` (precondition-opt's
+    `matrix_inverse_pth_root_eigh`, the largest eigenvalue exact instead of by power iteration)."""
+    e, u = np.linalg.eigh(m)
+    ridge = eps * max(e[-1], 1e-6)
+    return (u * np.maximum(e + ridge, ridge) ** (-1.0 / p)) @ u.T
+
+
+def _blocks_np(shape, block_size):
+    """precondition-opt's `BlockPartitioner`: per axis the (start, stop) of its blocks (the last one shorter)."""
+    return [[(i, min(i + block_size, d)) for i in range(0, d, block_size)] for d in shape]
+
+
+def r_shampoo(lr=1e-3, beta=(0.9, 0.999), block_size=1024, precondition_every=100, start_preconditioning_step=101,
+              graft="adam", matrix_eps=1e-6, weight_decay=0.0, diagonal_eps=1e-10, nesterov=True, cast=f32):
+    """distributed Shampoo as precondition-opt's `distributed_shampoo` computes it (`_compute_stats`,
+    `_compute_preconditioners`, `_transform_grad`), with `best_effort_shape_interpretation=False`,
+    `skip_preconditioning_rank_lt=2`, `eigh=True`, weight decay decoupled (times `lr` once), and an "adam" graft:
+    its RMSProp graft with the second moment bias-corrected. `cast`: how hyperparameters are rounded (f32 for
+    a float32 parameter; `float` for float64)."""
+    lr, eps, wd, deps = cast(lr), cast(matrix_eps), cast(weight_decay), cast(diagonal_eps)
+    b1, b2 = cast(beta[0]), cast(beta[1])
+    import itertools
+
+    def init(x):
+        stats = []
+        if x.ndim >= 2:
+            for block in itertools.product(*_blocks_np(x.shape, block_size)):
+                stats.append([eps * np.eye(b - a) for a, b in block])
+        return dict(count=0, stats=stats, roots=[[np.eye(len(s)) for s in st] for st in stats],
+                    nu=np.zeros_like(x), m=np.zeros_like(x), mg=np.zeros_like(x))
+
+    def apply(s, x, g):
+        t = s["count"]
+        if graft == "sgd":
+            a = g
+        elif graft == "adagrad":
+            s["nu"] = s["nu"] + g * g
+            a = g / (np.sqrt(s["nu"]) + deps)
+        else:
+            s["nu"] = b2 * s["nu"] + (1 - b2) * g * g
+            nu = s["nu"] / (1 - b2 ** (t + 1)) if graft == "adam" else s["nu"]
+            a = g / (np.sqrt(nu) + deps)
+        if x.ndim >= 2:
+            p = np.zeros_like(g)
+            for n, block in enumerate(itertools.product(*_blocks_np(x.shape, block_size))):
+                idx = tuple(slice(a_, b_) for a_, b_ in block)
+                gb = g[idx]
+                for i in range(g.ndim):
+                    gi = np.moveaxis(gb, i, 0).reshape(gb.shape[i], -1)
+                    s["stats"][n][i] = b2 * s["stats"][n][i] + (1 - b2) * gi @ gi.T
+                    if t % precondition_every == 0:
+                        s["roots"][n][i] = _inverse_root_np(s["stats"][n][i], 2 * g.ndim, eps)
+                pb = gb
+                for i in range(g.ndim):   # cyclic contraction: axis 0 each time, moved to the end
+                    pb = np.tensordot(pb, s["roots"][n][i], axes=([0], [0]))
+                p[idx] = pb
+            u = np.linalg.norm(a) / (np.linalg.norm(p) + 1e-25) * p
+        else:
+            u = a
+        s["m"] = b1 * s["m"] + u
+        s["mg"] = b1 * s["mg"] + a
+        run = t >= start_preconditioning_step
+        m, u = (s["m"], u) if run else (s["mg"], a)
+        n = u + b1 * m if nesterov else m
+        s["count"] = t + 1
+        return s, lr * (n + wd * x)
+
+    return Ref(init, apply)
