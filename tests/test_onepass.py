@@ -26,12 +26,13 @@ RULES = {
     "AdamW q4": lambda: optim.AdamW(1e-2, weight_decay=0.3, **Q4),
     "AdamW q4 block 64": lambda: optim.AdamW(1e-2, mu_dtype=optim.Quantized(4, 64), nu_dtype=optim.Quantized(4, 64)),
 }
+Q96 = optim.Quantized(8, 96)    # not a power of 2: no Triton block of it, XLA's path
 
 
 def _params():
     k = jax.random.split(jax.random.key(0), 3)
-    # w: 64 blocks of 256 (4 programs of the kernel); r: 66 blocks (a partial last program); u: 5000 numbers, not a
-    # whole number of blocks (XLA's path); b: too small to be quantised
+    # w: 64 blocks of 256 (4 programs of the kernel); r: 66 blocks (33 programs of 2); u: 5000 numbers, not a whole
+    # number of blocks (XLA's path); b: too small to be quantised
     return {"w": jax.random.normal(k[0], (64, 256)), "r": jax.random.normal(k[1], (33, 512)),
             "u": jax.random.normal(k[2], (100, 50)), "b": jnp.linspace(-1.0, 1.0, 7)}
 
@@ -82,6 +83,21 @@ def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
             assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("blocks, rows", [(64, 16), (66, 2), (33, 1), (16, 16), (48, 16), (24, 8)])
+def test_programs_cover_the_blocks_exactly(blocks, rows):
+    """No partial program: on a GPU a Triton load past the parameter's end is not masked."""
+    assert onepass.rows_per_program(blocks) == rows and blocks % rows == 0
+
+
+def test_a_block_of_96_numbers_takes_xla_s_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(onepass, "onepass", lambda *a, **k: calls.append(k))
+    params = {"w": jnp.ones((96, 64))}
+    state = optim.setup(optim.Adam(1e-3, mu_dtype=Q96, nu_dtype=Q96), params)
+    optim.update(state, params, params)
+    assert not calls
 
 
 def _refusal(rule, params, grads, caplog, *extra):

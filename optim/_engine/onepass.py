@@ -11,11 +11,12 @@ steps, finds the new maxima and writes the parameter, the codes and the scales; 
 
 It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes) whose
 `mu_dtype` and `nu_dtype` are one `Quantized` format (`q8`, `q4`, or another block size), with one gradient
-tree. It runs XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at least
-`Quantized.min_size` numbers), float32, a whole number of blocks and alone in its stack (large parameters are:
-optim._engine.group), by a call of the primitive `onepass_p`, which returns the new parameter (a `Replace`
-step) and its codes; every other parameter takes the rule's own step. The bias corrections and every small
-value are computed as XLA's path computes them (optim._engine.hoist).
+tree. It runs XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at
+least `Quantized.min_size` numbers), float32, a whole number of blocks (of a power of 2 numbers: Triton's
+shapes) and alone in its stack (large parameters are: optim._engine.group), by a call of the primitive
+`onepass_p`, which returns the new parameter (a `Replace` step) and its codes; every other parameter takes the
+rule's own step. The bias corrections and every small value are computed as XLA's path computes them
+(optim._engine.hoist).
 
 The choice of code is made when the program is lowered, as the fused CPU kernel's (optim._engine.kernel_choice):
 lowered for CUDA on one device, the Pallas kernel (Triton); anywhere else (CPU, TPU, a program over several
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 from typing import Any
@@ -50,7 +52,7 @@ __all__ = ["ENABLED", "INTERPRET", "OnePass", "ONE_PASS", "onepass_p", "referenc
 
 ENABLED = os.environ.get("OPTIM_ONEPASS", "1").strip().lower() not in ("0", "false", "no", "off")
 INTERPRET = False       # lowered for CPU: the Pallas kernel in interpret mode, not `reference` (tests)
-ROWS = 16               # blocks a program of the kernel steps (a power of 2, as Triton's blocks must be)
+ROWS = 16               # blocks a program of the kernel steps at most (a power of 2, as Triton's blocks must be)
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
@@ -82,8 +84,9 @@ def reference(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantiz
 
 def _kernel(s_ref, x_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, xo_ref, mco_ref, mso_ref, vco_ref, vso_ref, *,
             adamw: bool, couple: bool, bits: int):
-    """One program: `ROWS` blocks of the parameter, read once and written once. With 4 bits a byte holds the codes
-    of two neighbours (the even one in its low half): the even and the odd numbers step as two strided parts."""
+    """One program: `rows_per_program` blocks of the parameter, read once and written once. With 4 bits a byte
+    holds the codes of two neighbours (the even one in its low half): the even and the odd numbers step as two
+    strided parts."""
     from jax.experimental import pallas as pl
 
     s = tuple(s_ref[i] for i in range(7))
@@ -106,6 +109,13 @@ def _kernel(s_ref, x_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, xo_ref, mco_ref
         scales[...] = top
 
 
+def rows_per_program(blocks: int) -> int:
+    """The blocks one program steps: the largest power of 2 up to `ROWS` that divides `blocks`. Triton's loads
+    and stores are not bounded by the array (interpret mode pads them): a partial last program would read and
+    write past the parameter's end."""
+    return math.gcd(blocks, ROWS)
+
+
 def _pallas(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized, fv: Quantized,
             interpret: bool = False):
     """The kernel over the parameter's blocks (`x` a whole number of them), its buffers updated in place."""
@@ -113,14 +123,15 @@ def _pallas(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized
     from jax.experimental.pallas import triton as plt
 
     nb, block = ms.shape[0], fm.block
-    rows = pl.BlockSpec((ROWS, block), lambda i: (i, 0))
-    code_rows = pl.BlockSpec((ROWS, mc.shape[1]), lambda i: (i, 0))
-    per_block = pl.BlockSpec((ROWS,), lambda i: (i,))
+    n = rows_per_program(nb)
+    rows = pl.BlockSpec((n, block), lambda i: (i, 0))
+    code_rows = pl.BlockSpec((n, mc.shape[1]), lambda i: (i, 0))
+    per_block = pl.BlockSpec((n,), lambda i: (i,))
     scalars = jnp.zeros((8,), jnp.float32).at[:7].set(s[:7])
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)     # noqa: E731
     x2, g2 = x.reshape(nb, block), g.reshape(nb, block)
     out = pl.pallas_call(
-        functools.partial(_kernel, adamw=adamw, couple=couple, bits=fm.bits), grid=(pl.cdiv(nb, ROWS),),
+        functools.partial(_kernel, adamw=adamw, couple=couple, bits=fm.bits), grid=(nb // n,),
         in_specs=[pl.BlockSpec((8,), lambda i: (0,)), rows, rows, code_rows, per_block, code_rows, per_block],
         out_specs=[rows, code_rows, per_block, code_rows, per_block],
         out_shape=[like(x2), like(mc), like(ms), like(vc), like(vs)],
@@ -191,7 +202,7 @@ ad.primitive_jvps[onepass_p] = _jvp
 def _fits(x, dx, mu, nu) -> bool:
     return (isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray)
             and jnp.dtype(x.dtype) == jnp.float32 and jnp.dtype(dx.dtype) == jnp.float32
-            and x.size % mu.fmt.block == 0
+            and x.size % mu.fmt.block == 0 and mu.fmt.block & (mu.fmt.block - 1) == 0   # Triton: powers of 2
             and tuple(mu.codes.shape) == (x.size // mu.fmt.block, mu.fmt.block * mu.fmt.bits // 8))
 
 
