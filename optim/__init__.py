@@ -20,7 +20,7 @@ from ._interop.to_optax import to_optax
 from ._core.destructure import destructure, trainables
 from ._core.microbatch import microbatch
 from ._rules.layerwise import Lamb, Lars
-from ._rules.muon import Muon
+from ._rules.muon import Muon, NorMuon
 from ._rules.soap import SOAP
 from ._rules.shampoo import Shampoo
 from ._rules.lr_free import DoG, Prodigy
@@ -60,7 +60,8 @@ __all__ = [
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "fields",
-    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "SOAP", "Shampoo", "global_norm",
+    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "NorMuon", "SOAP", "Shampoo",
+    "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",

@@ -16,6 +16,9 @@ whether its step depends on the whole parameter) and its configurations, each wi
   and that `test_stacking.py::test_stacked_update_equals_per_leaf_rule` runs stacked (with `stacked`). A
   reference case runs on scalars, vectors and matrices.
 - `stacked`: `Case(id, make)`, more configurations for the stacking test only.
+- `matrices`: `Case(id, make)`, the configurations of a rule for matrices only (Muon, NorMuon: vectors and
+  scalars are refused), that `test_stacking.py::test_matrix_rule_stacked_equals_per_leaf` runs stacked on a
+  model of matrices (`None` gradients, a frozen member).
 - `converges`: `Converges(id, make, threshold)` for R1 (`test_rule_converges_on_a_linear_regression`).
 - `dtypes` (F6: float16, bfloat16 and float32 parameters keep their dtype), `bfloat16` (steps track float32's),
   `complex_` (R5: a complex loss decreases): `Case(id, make)`.
@@ -150,6 +153,7 @@ class RuleCases:
     evaluates_at_average: bool = False
     references: tuple = ()
     stacked: tuple = ()
+    matrices: tuple = ()
     converges: tuple = ()
     dtypes: tuple = ()
     bfloat16: tuple = ()
@@ -981,6 +985,13 @@ RULES = [
             Bad("Muon preconditioning type", lambda: O.Muon(preconditioning=None), TypeError,
                 "Muon: preconditioning must be one of 'frobenius', 'spectral', 'aol', 'schatten', got NoneType "
                 "None")),
+        matrices=(Case("Muon()", lambda: O.Muon(0.02)),
+                  Case("Muon(polar_express,aol)", lambda: O.Muon(0.02, ns_coeffs="polar_express",
+                                                                   preconditioning="aol")),
+                  Case("Muon(adaptive,schatten)", lambda: O.Muon(0.02, adaptive=True, preconditioning="schatten")),
+                  Case("Muon(Linear,dion,spectral,wd)", lambda: O.Muon(O.Linear(0.02, 0.01, 4), ns_coeffs="dion",
+                                                                         preconditioning="spectral",
+                                                                         weight_decay=0.1))),
         adjust=((lambda: O.Muon(0.02, consistent_rms=0.2),
                  [{"lr": 0.001}, {"rho": 0.5, "eps": 1e-6, "weight_decay": 0.1, "consistent_rms": 0.3}]),),
         no_optax="compared with optax.contrib.muon in test_rules.py section 5 (matrices only, with its axis "
@@ -989,6 +1000,43 @@ RULES = [
                Case("MuonAdaptive", lambda: O.Muon(0.02, adaptive=True, nesterov=False, weight_decay=0.1)),
                Case("MuonPolarAol", lambda: O.Muon(0.02, ns_coeffs="polar_express", preconditioning="aol")),
                Case("MuonDionSpectral", lambda: O.Muon(0.02, ns_coeffs="dion", preconditioning="spectral"))),
+    ),
+    # NorMuon takes matrices only, like Muon: compared with its numpy reference (`r_normuon`) in test_rules.py
+    # section 5, stacked in test_stacking.py (`matrices`).
+    RuleCases(
+        O.NorMuon, O.NorMuon(0.02, 0.95, 0.95, 1e-8, 0.0, None, True, None, 0, None, None, "standard", "frobenius"),
+        has_lr=True, reduces_over_parameter=True,
+        matrices=(Case("NorMuon()", lambda: O.NorMuon(0.02)),
+                  Case("NorMuon(Linear,all)", lambda: O.NorMuon(O.Linear(0.05, 0.01, 4), rho=0.8, beta2=0.9,
+                                                                eps=1e-6, weight_decay=0.1, consistent_rms=0.2,
+                                                                nesterov=False, steps=3)),
+                  Case("NorMuon(polar_express,schatten)", lambda: O.NorMuon(0.02, ns_coeffs="polar_express",
+                                                                            preconditioning="schatten"))),
+        keywords=((lambda: O.NorMuon(lr=0.01, rho=0.9, beta2=0.8, eps=1e-6, weight_decay=0.1),
+                   lambda: O.NorMuon(0.01, 0.9, 0.8, 1e-6, 0.1)),),
+        bad=(Bad("NorMuon beta2", lambda: O.NorMuon(beta2=1.0), ValueError,
+                 r"NorMuon: beta2 must be in \[0, 1\)"),
+             Bad("NorMuon rho", lambda: O.NorMuon(rho=-0.1), ValueError, r"NorMuon: rho must be in \[0, 1\)"),
+             Bad("NorMuon eps", lambda: O.NorMuon(eps=-1.0), ValueError, "NorMuon: eps must be >= 0")),
+        structural=(
+            Bad("NorMuon steps 0", lambda: O.NorMuon(steps=0), ValueError, "NorMuon: steps must be >= 1, got 0"),
+            Bad("NorMuon ns_coeffs", lambda: O.NorMuon(ns_coeffs="quintic"), ValueError,
+                "NorMuon: ns_coeffs must be .*, got 'quintic'"),
+            Bad("NorMuon ns_coeffs steps", lambda: O.NorMuon(ns_coeffs=[(3.4, -4.7, 2.0)] * 2, steps=3),
+                ValueError, "NorMuon: steps=3 disagrees with the 2 per-step ns_coeffs"),
+            Bad("NorMuon preconditioning", lambda: O.NorMuon(preconditioning="AOL"), ValueError,
+                "NorMuon: preconditioning must be one of 'frobenius', 'spectral', 'aol', 'schatten', got 'AOL'"),
+            Bad("NorMuon nesterov", lambda: O.NorMuon(nesterov="no"), TypeError,
+                "NorMuon: nesterov must be True or False, got str 'no'"),
+            Bad("NorMuon axes", lambda: O.NorMuon(reduction_axis="0"), TypeError,
+                "NorMuon: reduction_axis must be an int or a tuple of ints")),
+        adjust=((lambda: O.NorMuon(0.02, consistent_rms=0.2),
+                 [{"lr": 0.001}, {"rho": 0.5, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.1,
+                                  "consistent_rms": 0.3}]),),
+        no_optax="optax 0.2.8 has no NorMuon (optax PRs #1612 and #1651 propose one, unmerged): compared with a "
+                 "float64 numpy reference from the paper and its code (r_normuon) in test_rules.py section 5",
+        zero1=(Case("NorMuon", lambda: O.NorMuon(0.02)),
+               Case("NorMuonWd", lambda: O.NorMuon(0.02, weight_decay=0.1, nesterov=False, ns_coeffs="dion"))),
     ),
     # Whole-model rules (their sums run over every parameter, like ClipGlobalNorm's norm): a reference case is a
     # model of one parameter; `stacked` runs them over the stacking test's model (None gradients, a frozen

@@ -425,3 +425,42 @@ def r_shampoo(lr=1e-3, beta=(0.9, 0.999), block_size=1024, precondition_every=10
         return s, lr * (n + wd * x)
 
     return Ref(init, apply)
+
+
+def _ns_reference(g, steps, eps, coeffs=(3.4445, -4.7750, 2.0315)):
+    """Muon's quintic Newton-Schulz (Jordan 2024) on the wide orientation of `g`, after `g / (‖g‖_F + ε)`."""
+    a, b, c = coeffs
+    tall = g.shape[0] > g.shape[1]
+    x = g.T if tall else g
+    x = x / (np.linalg.norm(x) + eps)
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if tall else x
+
+
+def r_normuon(lr=0.02, rho=0.95, beta2=0.95, eps=1e-8, weight_decay=0.0, steps=5, nesterov=True,
+              consistent_rms=None):
+    """NorMuon for a matrix W of shape (in, out) used as `x @ W`, from the paper (Li et al. 2025,
+    arXiv:2510.05491, Algorithm 1) and its code (github.com/zichongli5/NorMuon, `normuon_update`): Muon's
+    orthogonalised momentum O (the direction as optax.contrib.muon forms it: the Nesterov momentum
+    bias-corrected), `v_j ← β₂ v_j + (1 - β₂) mean_i O_ij²` per output neuron j (a column here, a row of
+    PyTorch's (out, in) weight), `Ô = O / (√v + ε)` rescaled to ‖O‖_F, then Muon's shape scale and the decoupled
+    decay `η λ W`. Hyperparameters are not rounded (compare it with float64 parameters)."""
+    def apply(s, x, g):
+        m, v, t = s
+        t += 1
+        m = rho * m + (1 - rho) * g
+        if nesterov:
+            u = rho * m / (1 - rho ** (t + 1)) + (1 - rho) * g / (1 - rho ** t)
+        else:
+            u = m / (1 - rho ** t)
+        o = _ns_reference(u, steps, eps)
+        v = beta2 * v + (1 - beta2) * np.mean(o ** 2, axis=0)
+        o_hat = o / (np.sqrt(v) + eps)
+        o_hat *= np.linalg.norm(o) / np.linalg.norm(o_hat)
+        fan_in, fan_out = x.shape
+        scale = (max(1.0, fan_out / fan_in) ** 0.5 if consistent_rms is None
+                 else consistent_rms * max(fan_in, fan_out) ** 0.5)
+        return (m, v, t), lr * (scale * o_hat + weight_decay * x)
+    return Ref(lambda x: (np.zeros_like(x), np.zeros(x.shape[1]), 0), apply)

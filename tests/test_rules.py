@@ -33,7 +33,7 @@ import pytest
 import optim
 from conftest import close, counted_update
 from rule_cases import RULES, table
-from rule_refs import r_lion, r_lion_optimisers_jl, r_radam
+from rule_refs import r_lion, r_lion_optimisers_jl, r_normuon, r_radam
 from optim._rules.muon import _POLAR_EXPRESS, _schedule
 
 
@@ -732,6 +732,144 @@ def test_muon_number_of_steps(coeffs, steps, want):
                                                    17.300387312530933 / 1.01 ** 5), rel=1e-15)
 
 
+NORMUON_CASES = [
+    ("defaults", {}),
+    ("no nesterov,rho .8,beta2 .9,wd,eps,3 steps", dict(rho=0.8, beta2=0.9, weight_decay=0.1, nesterov=False,
+                                                      eps=1e-6, steps=3)),
+    ("consistent rms", dict(consistent_rms=0.2)),
+]
+
+
+@pytest.mark.parametrize("name, kw", NORMUON_CASES, ids=[c[0] for c in NORMUON_CASES])
+def test_normuon_matches_reference_float64(name, kw):
+    """30 steps against the numpy reference (`r_normuon`, from the paper and its code) in float64, rtol 1e-10, on
+    tall, wide and square matrices; the first is tied (the reference gets the summed gradient)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(6)
+        shapes = {"w": (6, 4), "v": (3, 9), "s": (5, 5)}
+        model = {k: jnp.asarray(rng.standard_normal(sh)) for k, sh in shapes.items()}
+        model["tied"] = model["w"]
+        state = optim.setup(O.NorMuon(0.05, **kw), model)
+        ref = r_normuon(0.05, **kw)
+        xs = {k: np.asarray(model[k]) for k in shapes}
+        ss = {k: ref.init(xs[k]) for k in shapes}
+        step = jax.jit(optim.update)
+        for t in range(X64_STEPS):
+            g = {k: jnp.asarray(rng.standard_normal(model[k].shape)) for k in model}
+            state, model = step(state, model, g)
+            for k in shapes:
+                gk = np.asarray(g[k]) + (np.asarray(g["tied"]) if k == "w" else 0)
+                ss[k], d = ref.apply(ss[k], xs[k], gk)
+                xs[k] = xs[k] - d
+                close(model[k], xs[k], rtol=1e-10, atol=1e-14, err_msg=f"{name}: step {t + 1}, {k}")
+            close(state["w"].state.nu[0], ss["w"][1], rtol=1e-10, atol=0)
+
+
+def test_normuon_float32_tracks_reference():
+    """float32 parameters: within 1e-5 of the displacement of the float64 reference over 10 steps."""
+    rng = np.random.default_rng(7)
+    model = {"w": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}
+    state = optim.setup(O.NorMuon(0.05), model)
+    ref = r_normuon(float(np.float32(0.05)), float(np.float32(0.95)), float(np.float32(0.95)),
+                    float(np.float32(1e-8)))
+    x = np.asarray(model["w"], np.float64)
+    s, start = ref.init(x), x
+    for t in range(10):
+        g = rng.standard_normal((8, 6)).astype(np.float32)
+        state, model = optim.update(state, model, {"w": jnp.asarray(g)})
+        s, d = ref.apply(s, x, g.astype(np.float64))
+        x = x - d
+        close(model["w"], x, rtol=0, atol=1e-5 * np.max(np.abs(x - start)), err_msg=f"step {t + 1}")
+
+
+def test_normuon_axes_are_muons():
+    """A convolution kernel is its (fan_in, fan_out) matrix, with a second moment per output channel; a batch
+    axis gives each slice its own orthogonalisation and its own ν."""
+    rng = np.random.default_rng(8)
+    k = jnp.asarray(rng.standard_normal((2, 2, 3, 5)), jnp.float32)
+    gs = [jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for _ in range(3)]
+    conv = optim.setup(O.NorMuon(0.05, reduction_axis=(0, 1, 2), output_axis=-1), {"k": k})
+    flat = optim.setup(O.NorMuon(0.05), {"k": k.reshape(12, 5)})
+    mk, mf = {"k": k}, {"k": k.reshape(12, 5)}
+    for g in gs:
+        conv, mk = optim.update(conv, mk, {"k": g})
+        flat, mf = optim.update(flat, mf, {"k": g.reshape(12, 5)})
+    assert conv["k"].state.nu.shape == (1, 1, 1, 5)
+    close(mk["k"].reshape(12, 5), mf["k"], rtol=1e-6, atol=1e-7)
+    close(conv["k"].state.nu.reshape(1, 5), flat["k"].state.nu, rtol=1e-6, atol=0)
+    b = jnp.asarray(rng.standard_normal((3, 4, 6)), jnp.float32)
+    gb = jnp.asarray(rng.standard_normal((3, 4, 6)), jnp.float32)
+    batched = optim.setup(O.NorMuon(0.05, reduction_axis=1, output_axis=2), {"b": b})
+    batched, mb = optim.update(batched, {"b": b}, {"b": gb})
+    assert batched["b"].state.nu.shape == (3, 1, 6)
+    for i in range(3):
+        alone = optim.setup(O.NorMuon(0.05), {"b": b[i]})
+        alone, mi = optim.update(alone, {"b": b[i]}, {"b": gb[i]})
+        close(mb["b"][i], mi["b"], rtol=1e-6, atol=1e-7)
+        close(batched["b"].state.nu[i], alone["b"].state.nu, rtol=1e-6, atol=0)
+
+
+MATRIX_ENTRY_RULES = [
+    ("NorMuon", lambda: O.NorMuon(0.05)),
+    ("NorMuon(schedule,polar_express,aol,wd)", lambda: O.NorMuon(O.Linear(0.05, 0.01, 3), ns_coeffs="polar_express",
+                                                                 preconditioning="aol", weight_decay=0.1)),
+    ("Muon(dion,schatten)", lambda: O.Muon(0.05, ns_coeffs="dion", preconditioning="schatten")),
+]
+
+
+@pytest.mark.parametrize("name, make", MATRIX_ENTRY_RULES, ids=[c[0] for c in MATRIX_ENTRY_RULES])
+def test_matrix_rules_through_every_entry_point(name, make, tmp_path):
+    """With a vector given to Adam by path: a tie, a `None` gradient and a frozen matrix (states unchanged
+    bitwise), save / load and state_dict round trips, jax.export of the step, to_optax and state_bytes."""
+    from jax import export
+
+    rng = np.random.default_rng(9)
+    rule = optim.by_path({"b": O.Adam(1e-2), "*": make()})
+    model = {"w": jnp.asarray(rng.standard_normal((6, 4)), jnp.float32),
+             "v": jnp.asarray(rng.standard_normal((3, 5)), jnp.float32),
+             "f": jnp.asarray(rng.standard_normal((4, 4)), jnp.float32), "b": jnp.ones(3)}
+    model["tied"] = model["w"]
+    grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), model) for _ in range(3)]
+    state = optim.freeze(optim.setup(rule, model), "f")
+    state, model = optim.update(state, model, grads[0])
+    before = optim.state_dict(state)
+    state, new = optim.update(state, model, {**grads[1], "v": None})
+    after = optim.state_dict(state)
+    for k in "vf":
+        assert new[k] is model[k]
+        jax.tree.map(np.testing.assert_array_equal, after["params"][k], before["params"][k])
+    model = new
+    assert int(state["w"].state.count) == 2 and int(state["v"].state.count) == 1
+    # save / load and state_dict round trips step on as the original
+    optim.save(tmp_path / "c", state)
+    like = optim.freeze(optim.setup(rule, model), "f")      # state_dict keeps its like state's frozen flags
+    loaded = optim.load(tmp_path / "c", like)
+    back = optim.load_state_dict(like, optim.state_dict(state))
+    _, want = optim.update(state, model, grads[2])
+    for other in (loaded, back):
+        _, got = optim.update(other, model, grads[2])
+        jax.tree.map(lambda a, b: close(a, b, rtol=0, atol=0), got, want)
+    # jax.export of the jitted step gives the same numbers
+    exp = export.export(jax.jit(optim.update))(state, model, grads[2])
+    _, got = exp.call(state, model, grads[2])
+    jax.tree.map(lambda a, b: close(a, b, rtol=1e-6, atol=1e-7), got, want)
+    # to_optax: the same steps in an optax loop (no tie there: optax sees leaves)
+    untied = {k: v for k, v in model.items() if k != "tied"}
+    tx = optim.to_optax(rule, ties={})
+    ostate, ostate_ref = tx.init(untied), optim.setup(rule, untied, ties={})
+    p = untied
+    for g in grads:
+        g = {k: g[k] for k in untied}
+        updates, ostate = tx.update(g, ostate, p)
+        p = optax.apply_updates(p, updates)
+        ostate_ref, untied = optim.update(ostate_ref, untied, g)
+    jax.tree.map(lambda a, b: close(a, b, rtol=1e-6, atol=1e-6), p, untied)
+    # state_bytes: NorMuon holds one second moment per output neuron more than Muon
+    nbytes = optim.state_bytes(optim.setup(rule, model))
+    muon = optim.state_bytes(optim.setup(optim.by_path({"b": O.Adam(1e-2), "*": O.Muon(0.05)}), model))
+    assert nbytes - muon == (4 * (4 + 5 + 4) if name.startswith("NorMuon") else 0)
+
+
 MUON_BAD_AXES = [
     ({"b": jnp.ones(3)}, {}, "at 'b': Muon needs a parameter with at least 2 axes"),
     ({"w": jnp.ones((2, 3))}, {"reduction_axis": 2}, r"at 'w': Muon: reduction_axis=\(2,\) is out of range"),
@@ -1087,7 +1225,7 @@ def test_adjust_new_rules_never_retraces(make, changes):
     step, traces = counted_update()
     model = {"w": jnp.ones((2, 3)), "b": vec(0.5, -0.5)}
     grads = {"w": jnp.full((2, 3), 0.3), "b": vec(1.0, -2.0)}
-    if isinstance(make(), O.Muon):                           # matrices only
+    if isinstance(make(), (O.Muon, O.NorMuon)):              # matrices only
         model["b"], grads["b"] = jnp.ones((2, 2)), jnp.eye(2)
     state = optim.setup(make(), model)
     state, model = step(state, model, grads)

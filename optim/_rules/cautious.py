@@ -15,7 +15,7 @@ from .ademamix import AdEMAMix
 from .adafactor import Adafactor
 from .adam import AdamW
 from .average import refuse_ema_in
-from .muon import Muon
+from .muon import Muon, NorMuon
 from .protocol import Gated, Replace, Rule, apply_all, apply_one, as_compute, average_of, is_rule
 from .wrappers import MixedPrecision, OptimiserChain, SkipLargeUpdates, SkipNonFinite
 
@@ -29,6 +29,7 @@ _DECAYS: dict[type, Callable[[Any, Any], Any]] = {
                          else as_compute(r.weight_decay, x) * x),
     AdEMAMix: lambda r, x: as_compute(r.lr, x) * as_compute(r.weight_decay, x) * x,
     Muon: lambda r, x: as_compute(r.lr, x) * as_compute(r.weight_decay, x) * x,
+    NorMuon: lambda r, x: as_compute(r.lr, x) * as_compute(r.weight_decay, x) * x,
     Adafactor: lambda r, x: as_compute(r.weight_decay, x) * x,
 }
 
@@ -37,9 +38,10 @@ def split_decay(rule: Any) -> tuple[Any, Callable[[Any], Any] | None]:
     """`(bare, decay)`: `rule` without its decoupled weight decay and the decay term `decay(x)` it adds to its
     step (elementwise in `x`, so `x` may be a stack), or `(rule, None)` when its step has no separable decay.
 
-    Separable: `AdamW`, `AdEMAMix`, `Muon`, `Adafactor`; a rule with a method `split_decay()` returning such a
-    pair; an `OptimiserChain` whose last stage is separable (the stages before it are kept: `ClipGlobalNorm`);
-    `SkipNonFinite` and `SkipLargeUpdates` around a separable rule (their gate covers the decay too)."""
+    Separable: `AdamW`, `AdEMAMix`, `Muon`, `NorMuon`, `Adafactor`; a rule with a method `split_decay()`
+    returning such a pair; an `OptimiserChain` whose last stage is separable (the stages before it are kept:
+    `ClipGlobalNorm`); `SkipNonFinite` and `SkipLargeUpdates` around a separable rule (their gate covers the
+    decay too)."""
     own = getattr(rule, "split_decay", None)
     if callable(own):
         return own()
@@ -76,11 +78,11 @@ class Cautious(Rule):
     - `g` is the parameter's gradient as `rule` receives it (a tie group's summed gradient); in a chain
       `Cautious(chain(ClipGlobalNorm(1.0), AdamW(...)))` the mask compares the chain's whole step with the
       gradient before clipping (the same signs).
-    - A decoupled weight decay is not masked: for `AdamW`, `AdEMAMix`, `Muon` and `Adafactor`, and for a chain
-      whose last stage is one of them (or `SkipNonFinite` / `SkipLargeUpdates` around either), `u` is the step
-      without the decay, and the decay (`η λ x` for AdamW) is added to the masked step. Any other rule's whole
-      step is masked (a decay inside it, `Lamb`'s, a stage after AdamW, is masked too). A rule of your own opts in
-      with a method `split_decay()` returning `(rule without the decay, decay(x))`.
+    - A decoupled weight decay is not masked: for `AdamW`, `AdEMAMix`, `Muon`, `NorMuon` and `Adafactor`, and
+      for a chain whose last stage is one of them (or `SkipNonFinite` / `SkipLargeUpdates` around either), `u`
+      is the step without the decay, and the decay (`η λ x` for AdamW) is added to the masked step. Any other
+      rule's whole step is masked (a decay inside it, `Lamb`'s, a stage after AdamW, is masked too). A rule of
+      your own opts in with a method `split_decay()` returning `(rule without the decay, decay(x))`.
     - The sum is over each parameter (each member of a stack alone: stacking does not change the step).
     - Complex parameters: `mask = Re(conj(u) g) > 0`, the sign of the real inner product of the two entries as
       vectors of ℝ² (for real ones, `u g > 0`).

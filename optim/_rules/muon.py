@@ -21,9 +21,9 @@ from .._base.export import register_for_export
 from .fields import flag, nonneg, static, unit
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
-from .protocol import Rule, abs2, as_compute
+from .protocol import Rule, abs2, as_compute, real_dtype
 
-__all__ = ["Muon"]
+__all__ = ["Muon", "NorMuon"]
 
 # Keller Jordan's quintic (a, b, c), the same for every step (optax's "standard").
 _STANDARD = (3.4445, -4.7750, 2.0315)
@@ -338,3 +338,110 @@ class Muon(_Matrix):
         c = lambda v: as_compute(v, x)   # noqa: E731
         step = c(self.lr) * (self._scale(x) * o + c(self.weight_decay) * x)
         return MuonState(store((mu,), (state.mu,))[0], count), step
+
+
+@register_for_export
+class NorMuonState(NamedTuple):
+    mu: Any              # the momentum
+    nu: Any              # each output neuron's second moment: the parameter's shape, reduction axes of size 1
+    count: Any           # the parameter's number of steps, int32
+    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+
+
+class NorMuon(_Matrix):
+    """NorMuon (Li et al. 2025): Muon's orthogonalised momentum, each output neuron's weights (a column of `W`
+    for `x @ W`, a row of PyTorch's (out, in) weight) normalised by a running second moment of them. With `O`
+    Muon's orthogonalised direction (`Muon`'s first two points, the same `ns_coeffs`, `preconditioning` and
+    axes), per matrix of the batch:
+
+    - `ν ← β₂ ν + (1 - β₂) mean_i |O_ij|²`, one number per output neuron `j` (the mean over the reduction
+      axes `i`: the neuron's fan-in);
+    - `Ô = O / (√ν + ε)` (each neuron's row divided by its RMS), then `Ô ← Ô ‖O‖_F / ‖Ô‖_F`: rescaled to
+      Muon's update norm, so the step's RMS is Muon's (0 where `O = 0`);
+    - `step = η (s Ô + λ x)` with Muon's shape scale `s` (`√max(1, fan_out / fan_in)`, or
+      `r √max(fan_in, fan_out)` with `consistent_rms`).
+
+    ν is not bias-corrected: a common factor of every neuron's ν cancels in the rescaling (up to ε).
+    Vectors and scalars are a `TypeError` at `setup`, as for `Muon`: give them another rule.
+
+    Args:
+        lr: learning rate η, default 0.02, >= 0.
+        rho: momentum β, default 0.95, in [0, 1).
+        beta2: β₂, the decay of the neurons' second moment, default 0.95, in [0, 1).
+        eps: ε added to `√ν`, and to the norm that scales the momentum before the iteration (as `Muon`'s),
+            default 1e-8, >= 0.
+        weight_decay: λ, decoupled, multiplied by η, default 0.0, >= 0.
+        consistent_rms: r, default None (the width scale); a number >= 0 selects the consistent-RMS scale
+            (structural between None and a number; the number is adjustable).
+        nesterov: the Nesterov direction (else the bias-corrected momentum), default True (structural).
+        steps, reduction_axis, output_axis, mu_dtype, ns_coeffs, preconditioning: as `Muon`'s (structural).
+
+    State: `NorMuonState(mu, nu, count)`: the momentum `m` (starting at 0), the second moments `ν` (shaped like
+    the parameter with the reduction axes of size 1, in its real dtype, starting at 0) and the parameter's
+    number of steps (int32). Counts are per parameter: one with no step keeps its `t`.
+
+    Reference: Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
+    2025, https://arxiv.org/abs/2510.05491 (Algorithm 1), and its code, https://github.com/zichongli5/NorMuon,
+    whose rescaling to Muon's update norm is the one here.
+
+    optax: no counterpart in optax 0.2.8 (`optax.contrib.normuon` is proposed, unmerged). Differences from the
+    paper's code: Muon's direction is optax's (`Muon`: the Nesterov momentum bias-corrected; the paper's code
+    uses `β m + (1 - β) g` uncorrected, the same up to the first steps' weights), ε is the rule's (the code's
+    NS adds 1e-7 and its normalisation 1e-10), and the neurons are the output axes (`x @ W`, W of shape
+    (in, out)); PyTorch's `Linear` weight is (out, in), where its rows are the neurons.
+
+    >>> import jax.numpy as jnp, optim
+    >>> x = jnp.zeros((2, 2))
+    >>> state = optim.setup(optim.NorMuon(0.1), x)
+    >>> state, x = optim.update(state, x, jnp.array([[3.0, 0.0], [0.0, 4.0]]))
+    >>> # Muon's O has columns of norms 0.72 and 1.12; after the normalisation both
+    >>> # columns have the same norm, and together Muon's
+    >>> x.round(3)
+    Array([[-0.094,  0.   ],
+           [ 0.   , -0.094]], dtype=float32)
+    """
+
+    lr: Hyper = nonneg(0.02)
+    rho: Hyper = unit(0.95)
+    beta2: Hyper = unit(0.95)
+    eps: Hyper = nonneg(1e-8)
+    weight_decay: Hyper = nonneg(0.0)
+    consistent_rms: Hyper | None = nonneg(None)
+    nesterov: bool = flag(True)
+    steps: int | None = static(None)
+    reduction_axis: Any = static(0)
+    output_axis: Any = static(None)
+    mu_dtype: Any = static(None)
+    ns_coeffs: Any = static("standard")
+    preconditioning: str = static("frobenius")
+
+    def init(self, x):
+        _, red, _ = self._matrix(x.shape)
+        nu = jnp.zeros(tuple(1 if a in red else n for a, n in enumerate(x.shape)), real_dtype(x))
+        return NorMuonState(mu_zeros(self, x), nu, jnp.zeros((), jnp.int32))
+
+    def apply(self, state, x, dx, *dxs):
+        c = lambda v: as_compute(v, x)   # noqa: E731
+        mu, u, count = self._direction(state, x, dx)
+        u, split = _whole(u)
+        o, back = self._orthogonal(u, x)                          # (batch, fan_in, fan_out)
+        (nu,) = load(x, state.nu)
+        nu, nu_split = _whole(nu)
+        batch, red, out = self._matrix(x.shape)
+        order = batch + red + out
+        nu3 = nu.transpose(order).reshape(o.shape[0], 1, o.shape[2])
+        beta2 = c(self.beta2)
+        nu3 = beta2 * nu3 + (1 - beta2) * jnp.mean(abs2(o), axis=1, keepdims=True)
+        normed = o / (jnp.sqrt(nu3) + c(self.eps))
+        size = lambda a: jnp.sqrt(jnp.sum(abs2(a), axis=(1, 2), keepdims=True))   # noqa: E731
+        n_o, n_normed = size(o), size(normed)
+        # ‖Ô‖ = 0 only where O = 0: keep the zero step there rather than 0/0
+        o = normed * jnp.where(n_normed > 0, n_o / jnp.where(n_normed > 0, n_normed, 1), 0)
+        o = back(o)
+        if split is not None:      # back to the momentum's sharding: a local slice, no communication
+            o = jax.sharding.reshard(o, split)
+        nu = nu3.reshape(tuple(nu.shape[a] for a in order)).transpose(np.argsort(order))
+        if nu_split is not None:
+            nu = jax.sharding.reshard(nu, nu_split)
+        step = c(self.lr) * (self._scale(x) * o + c(self.weight_decay) * x)
+        return NorMuonState(store((mu,), (state.mu,))[0], nu.astype(state.nu.dtype), count), step
