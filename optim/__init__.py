@@ -25,6 +25,7 @@ from ._rules.soap import SOAP
 from ._rules.shampoo import Shampoo
 from ._rules.lr_free import DoG, Prodigy
 from ._rules.adopt import ADOPT
+from ._rules.mars import MARS
 from ._rules.ademamix import AdEMAMix
 from ._rules.cautious import Cautious
 from ._rules.adam import AdaBelief, AdaMax, Adam, AdamW, AMSGrad, NAdam, OAdam, RAdam
@@ -65,7 +66,8 @@ __all__ = [
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",
     "Descent", "Momentum", "Nesterov", "Rprop", "RMSProp", "Adam", "RAdam", "AdaMax", "OAdam", "AdaGrad",
-    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "AdEMAMix", "Lion", "WeightDecay", "SignDecay",
+    "AdaDelta", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "ADOPT", "AdEMAMix", "MARS", "Lion", "WeightDecay",
+    "SignDecay",
     "ClipGrad", "ClipNorm", "Scale", "Adafactor", "Lamb", "Lars", "ScheduleFreeAdamW", "Prodigy", "DoG",
     "OptimiserChain", "chain", "AccumGrad", "MixedPrecision", "StochasticRounding",
     "print_info",

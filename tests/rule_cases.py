@@ -65,7 +65,7 @@ from optim._rules.protocol import inner_fields
 from rule_refs import (
     r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_ademamix, r_adopt, r_amsgrad, r_cautious,
     r_chain, r_clipgrad, r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop,
-    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog, r_shampoo,
+    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog, r_shampoo, r_mars,
 )
 
 O = optim
@@ -652,6 +652,34 @@ RULES = [
         kernel=(Kernel("AdEMAMix", lambda: O.AdEMAMix(0.01, weight_decay=0.1)),
                 Kernel("AdEMAMix, schedules", lambda: O.AdEMAMix(0.01, beta3=O.Linear(0.9, 0.999, 4),
                                                                  alpha=O.Linear(0.0, 5.0, 4)))),
+    ),
+    # MARS's correction divides by the norm of the whole parameter where it exceeds 1: a reference case runs on
+    # scalars, vectors and matrices; the vectors' c mostly exceeds 1, with γ = 0 (c = g) 3 of the 8 do not
+    RuleCases(
+        O.MARS, O.MARS(3e-3, (0.95, 0.99), 0.025, 1e-8, 0.0), has_lr=True, reduces_over_parameter=True,
+        references=(
+            Reference("MARS()", lambda: O.MARS(), r_mars(), 8),
+            # γ .5: the correction (g - g₋) weighs 4.5 times g
+            Reference("MARS(all)", lambda: O.MARS(0.01, (0.9, 0.95), 0.5, 1e-3, 0.1),
+                      r_mars(0.01, (0.9, 0.95), 0.5, 1e-3, 0.1), 8),
+            Reference("MARS(gamma 0)", lambda: O.MARS(0.05, gamma=0.0), r_mars(0.05, gamma=0.0), 8)),
+        stacked=(Case("MARS+schedule", lambda: O.MARS(O.Linear(0.1, 0.01, 4), gamma=O.Linear(0.5, 0.0, 4),
+                                                      weight_decay=0.1)),),
+        converges=(Converges("MARS(1e-2)", lambda: O.MARS(1e-2), 0.01),),                       # 3.3e-7
+        dtypes=(Case("MARS", lambda: O.MARS()),),
+        bfloat16=(Case("MARS", lambda: O.MARS(0.1)),),
+        complex_=(Case("MARS", lambda: O.MARS(0.01)),),
+        keywords=((lambda: O.MARS(weight_decay=0.1, eps=1e-6, gamma=0.5, beta=(0.9, 0.95), lr=0.2),
+                   lambda: O.MARS(0.2, (0.9, 0.95), 0.5, 1e-6, 0.1)),),
+        bad=(Bad("MARS beta1 = 1", lambda: O.MARS(beta=(1.0, 0.99)), ValueError,
+                 r"MARS: beta\[0\] must be in \[0, 1\) and finite, got 1.0"),
+             Bad("MARS gamma", lambda: O.MARS(gamma=-0.1), ValueError, "MARS: gamma must be >= 0 and finite"),
+             Bad("MARS eps", lambda: O.MARS(eps=float("nan")), ValueError, "MARS: eps must be >= 0 and finite")),
+        adjust=((lambda: O.MARS(0.01), [{"lr": 0.001}, {"beta": (0.5, 0.9), "gamma": 0.1, "eps": 1e-4,
+                                                         "weight_decay": 0.1}]),),
+        no_optax="optax 0.2.8 has no MARS (optax PRs #1560, #1562, #1689, #1697 propose one, unmerged): compared "
+                 "with a float64 numpy reference from the paper's code (r_mars)",
+        zero1=(Case("MARS", lambda: O.MARS(0.01, weight_decay=0.1)),),
     ),
     RuleCases(
         O.Lion, O.Lion(1e-4, (0.9, 0.99)), has_lr=True,

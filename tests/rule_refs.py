@@ -464,3 +464,24 @@ def r_normuon(lr=0.02, rho=0.95, beta2=0.95, eps=1e-8, weight_decay=0.0, steps=5
                  else consistent_rms * max(fan_in, fan_out) ** 0.5)
         return (m, v, t), lr * (scale * o_hat + weight_decay * x)
     return Ref(lambda x: (np.zeros_like(x), np.zeros(x.shape[1]), 0), apply)
+
+
+def r_mars(lr=3e-3, beta=(0.95, 0.99), gamma=0.025, eps=1e-8, weight_decay=0.0):
+    """MARS-AdamW, approximate (Yuan et al. 2024, arXiv:2411.10438), as its code writes it
+    (github.com/AGI-Arena/MARS, `mars.py`: `update_fn` with `mars_type="mars-adamw"`, `is_approx=True`): the
+    previous gradient starts at 0; `c = g + γ β₁/(1-β₁) (g - g_prev)`, divided by its norm where that exceeds 1;
+    Adam's moments of c with `denom = (√v / √(1-β₂ᵗ) + ε)(1-β₁ᵗ)`; the decay `η λ x`."""
+    lr, (b1, b2), gamma, eps, lam = f32(lr), f32(beta), f32(gamma), f32(eps), f32(weight_decay)
+
+    def apply(s, x, g):
+        m, v, last, t = s
+        t += 1
+        c = g + gamma * (b1 / (1 - b1)) * (g - last)
+        norm = np.sqrt(np.sum(c ** 2))
+        if norm > 1:
+            c = c / norm
+        m = b1 * m + (1 - b1) * c
+        v = b2 * v + (1 - b2) * c * c
+        denom = (np.sqrt(v) / math.sqrt(1 - b2 ** t) + eps) * (1 - b1 ** t)
+        return (m, v, g, t), lr * (lam * x + m / denom)
+    return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), np.zeros_like(x), 0), apply)

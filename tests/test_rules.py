@@ -809,18 +809,20 @@ def test_normuon_axes_are_muons():
         close(batched["b"].state.nu[i], alone["b"].state.nu, rtol=1e-6, atol=0)
 
 
-MATRIX_ENTRY_RULES = [
+ENTRY_RULES = [
     ("NorMuon", lambda: O.NorMuon(0.05)),
     ("NorMuon(schedule,polar_express,aol,wd)", lambda: O.NorMuon(O.Linear(0.05, 0.01, 3), ns_coeffs="polar_express",
                                                                  preconditioning="aol", weight_decay=0.1)),
     ("Muon(dion,schatten)", lambda: O.Muon(0.05, ns_coeffs="dion", preconditioning="schatten")),
+    ("MARS(wd)", lambda: O.MARS(0.01, weight_decay=0.1)),       # element-wise, but new with these two
 ]
 
 
-@pytest.mark.parametrize("name, make", MATRIX_ENTRY_RULES, ids=[c[0] for c in MATRIX_ENTRY_RULES])
-def test_matrix_rules_through_every_entry_point(name, make, tmp_path):
-    """With a vector given to Adam by path: a tie, a `None` gradient and a frozen matrix (states unchanged
-    bitwise), save / load and state_dict round trips, jax.export of the step, to_optax and state_bytes."""
+@pytest.mark.parametrize("name, make", ENTRY_RULES, ids=[c[0] for c in ENTRY_RULES])
+def test_new_rules_through_every_entry_point(name, make, tmp_path):
+    """NorMuon, Muon's options and MARS, with a vector given to Adam by path: a tie, a `None` gradient and a
+    frozen matrix (states unchanged bitwise), save / load and state_dict round trips, jax.export of the step,
+    to_optax and state_bytes."""
     from jax import export
 
     rng = np.random.default_rng(9)
@@ -839,7 +841,8 @@ def test_matrix_rules_through_every_entry_point(name, make, tmp_path):
         assert new[k] is model[k]
         jax.tree.map(np.testing.assert_array_equal, after["params"][k], before["params"][k])
     model = new
-    assert int(state["w"].state.count) == 2 and int(state["v"].state.count) == 1
+    if not name.startswith("MARS"):
+        assert int(state["w"].state.count) == 2 and int(state["v"].state.count) == 1
     # save / load and state_dict round trips step on as the original
     optim.save(tmp_path / "c", state)
     like = optim.freeze(optim.setup(rule, model), "f")      # state_dict keeps its like state's frozen flags
@@ -864,10 +867,13 @@ def test_matrix_rules_through_every_entry_point(name, make, tmp_path):
         p = optax.apply_updates(p, updates)
         ostate_ref, untied = optim.update(ostate_ref, untied, g)
     jax.tree.map(lambda a, b: close(a, b, rtol=1e-6, atol=1e-6), p, untied)
-    # state_bytes: NorMuon holds one second moment per output neuron more than Muon
+    # state_bytes: every array of the state once (the tie's too); NorMuon holds one second moment per output
+    # neuron more than Muon
     nbytes = optim.state_bytes(optim.setup(rule, model))
+    assert nbytes == sum(a.nbytes for a in jax.tree.leaves(optim.state_dict(optim.setup(rule, model))))
     muon = optim.state_bytes(optim.setup(optim.by_path({"b": O.Adam(1e-2), "*": O.Muon(0.05)}), model))
-    assert nbytes - muon == (4 * (4 + 5 + 4) if name.startswith("NorMuon") else 0)
+    if not name.startswith("MARS"):
+        assert nbytes - muon == (4 * (4 + 5 + 4) if name.startswith("NorMuon") else 0)
 
 
 MUON_BAD_AXES = [
