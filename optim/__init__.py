@@ -23,6 +23,7 @@ from ._rules.layerwise import Lamb, Lars
 from ._rules.muon import Muon, NorMuon
 from ._rules.soap import SOAP
 from ._rules.shampoo import Shampoo
+from ._rules.kron import Kron
 from ._rules.lr_free import DoG, Prodigy
 from ._rules.adopt import ADOPT
 from ._rules.mars import MARS
@@ -61,7 +62,7 @@ __all__ = [
     "destructure", "microbatch", "EMA", "averaged",
     "State", "Leaf", "Layout", "PathError", "Rule", "Gated", "Replace", "apply_step", "apply_all",
     "fields",
-    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "NorMuon", "SOAP", "Shampoo",
+    "ClipGlobalNorm", "SkipNonFinite", "SkipLargeUpdates", "Cautious", "Muon", "NorMuon", "SOAP", "Shampoo", "Kron",
     "global_norm",
     "Schedule", "Constant", "Linear", "Cosine", "Piecewise", "Join", "warmup_cosine", "WSD", "InvSqrt", "Exponential",
     "Polynomial",

@@ -65,7 +65,7 @@ from optim._rules.protocol import inner_fields
 from rule_refs import (
     r_adabelief, r_adadelta, r_adagrad, r_adam, r_adamax, r_adamw, r_ademamix, r_adopt, r_amsgrad, r_cautious,
     r_chain, r_clipgrad, r_clipnorm, r_descent, r_lion, r_momentum, r_nadam, r_nesterov, r_oadam, r_radam, r_rmsprop,
-    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog, r_shampoo, r_mars,
+    r_rprop, r_signdecay, r_weightdecay, f32, r_prodigy, r_dog, r_shampoo, r_mars, r_kron,
 )
 
 O = optim
@@ -1207,6 +1207,41 @@ RULES = [
         # program rounds the statistics otherwise than the unsharded one
         zero1=(Case("Shampoo", lambda: O.Shampoo(0.01, block_size=4, precondition_every=2,
                                                  start_preconditioning_step=1, matrix_eps=1e-3)),),
+    ),
+    # Kron: the reference cases run on a vector (a diagonal factor) and, in the stacking test, on matrices too
+    # (triangular factors); test_kron.py compares matrices, 3-axis arrays and scalars with the same numpy
+    # reference and with psgd-jax's kron (a stored fixture).
+    RuleCases(
+        O.Kron, O.Kron(1e-3, 0.9, 0.0, 1.0, 8192, 0.1, 0), has_lr=True, reduces_over_parameter=True,
+        references=(
+            Reference("Kron()", lambda: O.Kron(), r_kron(), 5),
+            Reference("Kron(.05,.5,.1,p=.5,plr=.3,seed=3)", lambda: O.Kron(0.05, 0.5, 0.1, 0.5, 8192, 0.3, 3),
+                      r_kron(0.05, 0.5, 0.1, 0.5, 8192, 0.3, 3), 8),
+            Reference("Kron(b1=0)", lambda: O.Kron(0.02, 0.0, precond_lr=0.2), r_kron(0.02, 0.0, precond_lr=0.2),
+                      8)),
+        stacked=(Case("Kron+schedule", lambda: O.Kron(O.Linear(0.05, 0.01, 4))),),
+        converges=(Converges("Kron(0.02)", lambda: O.Kron(0.02), 5e-3),),                    # 1.05e-3
+        dtypes=(Case("Kron", lambda: O.Kron(0.01)),),
+        keywords=((lambda: O.Kron(seed=3, precond_lr=0.2, max_size_triangular=4,
+                                  preconditioner_update_probability=0.5, weight_decay=0.1, b1=0.8, lr=0.2),
+                   lambda: O.Kron(0.2, 0.8, 0.1, 0.5, 4, 0.2, 3)),),
+        bad=(Bad("Kron b1 = 1", lambda: O.Kron(b1=1.0), ValueError, r"Kron: b1 must be in \[0, 1\)"),
+             Bad("Kron probability", lambda: O.Kron(preconditioner_update_probability=1.5), ValueError,
+                 r"Kron: preconditioner_update_probability must be in \[0, 1\]"),
+             Bad("Kron precond_lr", lambda: O.Kron(precond_lr=-0.1), ValueError,
+                 "Kron: precond_lr must be >= 0 and finite, got -0.1")),
+        structural=(
+            Bad("Kron max_size_triangular -1", lambda: O.Kron(max_size_triangular=-1), ValueError,
+                r"Kron: max_size_triangular must be >= 0, got -1 \(it is the longest triangular axis\)"),
+            Bad("Kron max_size_triangular 2.5", lambda: O.Kron(max_size_triangular=2.5), TypeError,
+                "Kron: max_size_triangular must be an integer, got float 2.5"),
+            Bad("Kron seed -1", lambda: O.Kron(seed=-1), ValueError, "Kron: seed must be >= 0, got -1"),
+            Bad("Kron seed 1.5", lambda: O.Kron(seed=1.5), TypeError, "Kron: seed must be an integer, got float 1.5")),
+        adjust=((lambda: O.Kron(0.01), [{"lr": 0.001}, {"b1": 0.5, "weight_decay": 0.1, "precond_lr": 0.2,
+                                                       "preconditioner_update_probability": 0.5}]),),
+        no_optax="optax 0.2.8 has no PSGD: test_kron.py compares with psgd-jax's kron (a stored fixture) and the "
+                 "numpy reference on matrices",
+        zero1=(Case("Kron", lambda: O.Kron(0.01)),),
     ),
     RuleCases(
         O.Scale,

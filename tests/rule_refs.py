@@ -485,3 +485,95 @@ def r_mars(lr=3e-3, beta=(0.95, 0.99), gamma=0.025, eps=1e-8, weight_decay=0.0):
         denom = (np.sqrt(v) / math.sqrt(1 - b2 ** t) + eps) * (1 - b1 ** t)
         return (m, v, g, t), lr * (lam * x + m / denom)
     return Ref(lambda x: (np.zeros_like(x), np.zeros_like(x), np.zeros_like(x), 0), apply)
+
+
+def _kron_draws(seed, count, shape, dtype):
+    """The balancing draw and the probe of PSGD Kron at a parameter's count: psgd-jax's keys for a model of one
+    parameter (`fold_in(PRNGKey(seed), count)`, then its splits), drawn with JAX (the only JAX in this module:
+    numpy cannot reproduce JAX's generator), in the run's dtype, returned as float64."""
+    import jax
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+    _, sub = jax.random.split(key)
+    key, balance = jax.random.split(sub)
+    _, probe = jax.random.split(key)
+    u = float(jax.random.uniform(balance))
+    v = np.asarray(jax.random.normal(jax.random.split(probe, 1)[0], shape, dtype), np.float64)
+    return u, v
+
+
+def _lower_bound_np(a):
+    """psgd-jax's `_norm_lower_bound` of a symmetric matrix."""
+    s = np.max(np.abs(a))
+    if s == 0:
+        return 0.0
+    b = a / s
+    col, row = np.sum(b * b, axis=0), np.sum(b * b, axis=1)
+    if col.max() > row.max():
+        x = b[:, np.argmax(col)] @ b
+        return s * np.linalg.norm((x / np.linalg.norm(x)) @ b.T)
+    x = b @ b[np.argmax(row), :]
+    return s * np.linalg.norm(b.T @ (x / np.linalg.norm(x)))
+
+
+def r_kron(lr=1e-3, b1=0.9, weight_decay=0.0, preconditioner_update_probability=1.0, max_size_triangular=8192,
+           precond_lr=0.1, seed=0, cast=f32, dtype=np.float32):
+    """PSGD Kron as psgd-jax's `kron` computes it (`scale_by_kron`, `_init_Q_exprs`, `_conjB`, `_update_precond`,
+    `_precond_grad`; min_ndim_triangular 2, init scale 1, momentum into the preconditioner update), the update
+    probability a number, for a model of one parameter; a scalar as a vector of one. `dtype`: the run's dtype,
+    in which the random numbers are drawn."""
+    lr, b1, wd, p, plr = cast(lr), cast(b1), cast(weight_decay), cast(preconditioner_update_probability), \
+        cast(precond_lr)
+    damp = float(np.sqrt(np.finfo(np.float32).eps))
+    tiny = float(np.finfo(dtype).tiny)
+
+    def init(x):
+        shape = x.shape or (1,)
+        tri = [len(x.shape) >= 2 and 1 < d <= max_size_triangular for d in shape]
+        return dict(count=0, counter=0, mu=np.zeros(shape), qs=[np.eye(d) if t else np.ones(d) for d, t in
+                                                                  zip(shape, tri)])
+
+    def along(a, i, m):      # m applied along axis i (a matrix: m @ a_(i); a vector: elementwise)
+        if m.ndim == 1:
+            return a * m.reshape((-1,) + (1,) * (a.ndim - 1 - i))
+        return np.moveaxis(np.tensordot(m, a, axes=([1], [i])), 0, i)
+
+    def gram(a, i, tri):
+        mat = np.moveaxis(a, i, 0).reshape(a.shape[i], -1)
+        return mat @ mat.T if tri else np.sum(mat * mat, axis=1)
+
+    def apply(s, x, g):
+        shape = x.shape
+        g = g.reshape(g.shape or (1,))
+        t = s["count"] + 1
+        s["mu"] = b1 * s["mu"] + (1 - b1) * g
+        m = s["mu"] / (1 - b1 ** t)
+        s["counter"] += 1
+        if s["counter"] >= 1 / p:
+            s["counter"] = 0
+            u, v = _kron_draws(seed, s["count"], m.shape, dtype)
+            qs = s["qs"]
+            if u < 0.01 and len(qs) > 1:
+                norms = [np.max(np.abs(q)) for q in qs]
+                mean = np.prod(norms) ** (1 / len(qs))
+                qs = [q * mean / n for q, n in zip(qs, norms)]
+            a = m + damp * np.mean(np.abs(m)) * v
+            b = v
+            for i, q in enumerate(qs):
+                a = along(a, i, q)
+                b = along(b, i, 1 / q if q.ndim == 1 else np.linalg.inv(q).T)
+            new = []
+            for i, q in enumerate(qs):
+                t1, t2 = gram(a, i, q.ndim == 2), gram(b, i, q.ndim == 2)
+                if q.ndim == 1:
+                    new.append(q - plr * (t1 - t2) * q / (tiny + np.max(np.abs(t1 + t2))))
+                else:
+                    new.append(q - plr * np.triu(t1 - t2) / (tiny + _lower_bound_np(t1 + t2)) @ q)
+            s["qs"] = new
+        pg = m
+        for i, q in enumerate(s["qs"]):
+            pg = along(pg, i, q ** 2 if q.ndim == 1 else q.T @ q)
+        pg = pg / max(1.0, np.sqrt(np.mean(pg * pg)) / 1.1)
+        s["count"] = t
+        return s, lr * (pg.reshape(shape) + wd * x)
+
+    return Ref(init, apply)
