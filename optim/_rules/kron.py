@@ -171,9 +171,11 @@ class Kron(Rule):
     Reference: X.-L. Li, "Preconditioned Stochastic Gradient Descent", IEEE TNNLS 2018,
     https://arxiv.org/abs/1512.04202; X.-L. Li, "Stochastic Hessian Fittings with Lie Groups", 2024,
     https://arxiv.org/abs/2402.11858. The algorithm is psgd-jax's `kron` (https://github.com/evanatyourservice/psgd_jax)
-    with its defaults but for `preconditioner_update_probability` (the reference's default anneals it) and
-    its precisions (float32 matmuls here, where it uses tensorfloat32 for the update on GPUs); its random key
-    is derived from a fixed seed and the global count, per leaf of the tree.
+    with its defaults but for `preconditioner_update_probability` (the reference's default anneals it); its
+    `precond_update_precision` and `precond_grads_precision` are not offered (the products run at JAX's default
+    precision), nor `memory_save_mode`, `mu_dtype`, `precond_dtype` or `preconditioner_init_scale` (1). Its
+    random key is derived from a fixed seed (5318008) and the global count, split per leaf of the tree; here
+    from `seed` and the parameter's count, the same for a model of one parameter.
 
     optax: none (optax 0.2.8 has no PSGD); `psgd_jax.kron` is an optax transformation.
 
