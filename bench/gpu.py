@@ -1,7 +1,9 @@
 """`python -m bench.gpu [--quick] [--rounds N] [--sizes ...] [--json OUT] [--md OUT]`: optimiser steps on the
 default device (a GPU where JAX has one), optim against optax and torch, in one process with interleaved rounds.
 
-What issue 38 measured on an H200 by hand, as one prepared run (`bench/GPU.md` holds its results):
+What issue 38 measured on an H200 by hand, as one prepared run (`bench/GPU.md` holds its results), after a
+check of optim's own GPU kernels against XLA's path on the device (`check_kernels`: the one-pass quantised
+AdamW step; a difference there is a bug to report before any timing):
 
 - Workloads: `1x16M` (one 4096x4096 leaf), `100x160k` (100 leaves of 400x400), `1000x16k` (1000 of 128x128):
   the same 16M float32 parameters in 1, 100 and 1000 leaves. `--quick` keeps the leaf counts' order of magnitude
@@ -204,9 +206,54 @@ def run(sizes: dict, rounds: int, target: float, torch: bool, log=print) -> dict
     return out
 
 
+def check_kernels(n: int = 1 << 20, steps: int = 5) -> dict:
+    """optim's own GPU kernels against XLA's path on this device, before anything is timed: AdamW with q8 and q4
+    moments (optim._engine.onepass, a Pallas kernel where the device is a GPU) on one parameter of `n` numbers,
+    `steps` steps each way. Per format: whether the kernel is in the program, the largest difference of the
+    parameters relative to their scale, and the largest difference of a moment's codes."""
+    import jax
+    import jax.numpy as jnp
+    import optim
+    from optim._engine import onepass
+
+    keys = jax.random.split(jax.random.key(0), steps + 1)
+    x0 = {"w": jax.random.normal(keys[0], (n // 1024, 1024))}
+    out, was = {}, onepass.ENABLED
+    try:
+        for fmt in ("q8", "q4"):
+            q = getattr(optim, fmt)
+            rule = optim.AdamW(1e-3, weight_decay=0.1, mu_dtype=q, nu_dtype=q)
+            got = {}
+            for on in (True, False):
+                onepass.ENABLED = on
+                state, x = optim.setup(rule, x0), x0
+                for t in range(steps):
+                    state, x = optim.update(state, x, {"w": jax.random.normal(keys[t + 1], x0["w"].shape)})
+                got[on] = (state, x)
+            onepass.ENABLED = True
+            text = jax.jit(optim.update).lower(optim.setup(rule, x0), x0, x0).as_text()
+            (s1, x1), (s0, x0_) = got[True], got[False]
+            codes = [(a.astype(jnp.int32) - b.astype(jnp.int32)) for a, b in
+                     zip(jax.tree.leaves(s1), jax.tree.leaves(s0)) if a.dtype == jnp.uint8]
+            out[f"AdamW {fmt}"] = {
+                "kernel": "triton" in text,
+                "param_rel": float(jnp.max(jnp.abs(x1["w"] - x0_["w"])) / jnp.max(jnp.abs(x0_["w"]))),
+                "code_max": int(max(int(jnp.max(jnp.abs(c))) for c in codes))}
+    finally:
+        onepass.ENABLED = was
+    return out
+
+
 def markdown(data: dict) -> str:
     lines = [f"Device: {data['device']} ({data['backend']}), jax {data['jax']}, optim at {data['commit']}; "
              f"median of {data['rounds']} interleaved rounds, each ratio to `optax.adam` in the same process.", ""]
+    if data.get("checks"):
+        lines += ["optim's kernels against XLA's path on this device (5 steps of one parameter):", "",
+                  "| step | kernel ran | parameters, largest difference / scale | codes, largest difference |",
+                  "|---|---|---:|---:|"]
+        lines += [f"| {k} | {c['kernel']} | {c['param_rel']:.1e} | {c['code_max']} |"
+                  for k, c in data["checks"].items()]
+        lines.append("")
     for size, w in data["workloads"].items():
         peak = "" if w["peak_mb"] is None else f"; device peak {w['peak_mb']:.0f} MB"
         lines += [f"### {size} ({w['leaves']} x {'x'.join(map(str, w['shape']))}{peak})", "",
@@ -246,7 +293,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     table = QUICK if args.quick else SIZES
     sizes = {k: table[k] for k in (args.sizes.split(",") if args.sizes else table)}
-    data = run(sizes, args.rounds, args.target, not args.no_torch, log=lambda s: print(s, file=sys.stderr))
+    checks = check_kernels(1 << 14 if args.quick else 1 << 20)
+    print(f"kernel checks: {checks}", file=sys.stderr)
+    data = {**run(sizes, args.rounds, args.target, not args.no_torch, log=lambda s: print(s, file=sys.stderr)),
+            "checks": checks}
     text = markdown(data)
     print(text)
     if args.json:

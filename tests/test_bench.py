@@ -139,6 +139,9 @@ def test_bench_gpu_quick_mode_runs(request, tmp_path):
     assert {"optim Adam", "optim SkipNonFinite(AdamW)", "optim EMA(AdamW)", "probe p += g"} <= set(rows)
     assert rows["optim Adam"]["kernels"] < rows["optax Adam"]["kernels"]
     assert "| optim EMA(AdamW) |" in (folder / "GPU.md").read_text()
+    # On the CPU the one-pass step lowers to XLA's operations: no kernel, the same numbers
+    checks = json.loads((folder / "GPU.json").read_text())["checks"]
+    assert checks == {f"AdamW {q}": {"kernel": False, "param_rel": 0.0, "code_max": 0} for q in ("q8", "q4")}
 
 
 def test_bench_choosing_runs(request, tmp_path):
