@@ -7,7 +7,7 @@ from .workloads import ORDER
 
 METHOD = """\
 Method: the machine's memory bandwidth drifts (about 2x over minutes), so absolute times are only indicative.
-Every step figure comes from ONE process per workload in which all candidates run interleaved, round by round
+Every step figure comes from one process per workload in which all candidates run interleaved, round by round
 (the order rotates each round); a sample is `reps` back-to-back steps followed by one block, `reps` chosen so
 a sample takes about `--target` seconds. *vs optax* is the median over rounds of the per-round ratio to the
 `optax` candidate (lower is better; the IQR of that ratio is in brackets). *vs floor* is the median per-round

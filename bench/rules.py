@@ -552,7 +552,7 @@ def section_md(name: str, sec: dict) -> list[str]:
 
 
 INTRO = """\
-Method: as `bench/RESULTS.md`. Per section ONE process times all candidates interleaved round by round (the
+Method: as `bench/RESULTS.md`. Per section one process times all candidates interleaved round by round (the
 order rotates each round; a sample is `reps` back-to-back steps and one block, `reps` chosen so a sample takes
 about the section's target, at least one step); *vs X* is the median over rounds of the per-round ratio to
 candidate X (IQR in brackets; lower is faster). *First call* (trace + compile + one step) and *peak RSS*

@@ -10,7 +10,7 @@ OpenMP thread per core) torch's threads spin after each step and took the CPU fr
 (optim measured 1.2 s a step after it, 25 ms alone), and stalled for up to a second when descheduled on this
 loaded machine. Gradients are fixed random arrays, made once per model.
 
-Method: ONE process; each round times a sample of `reps` steps of every candidate in turn (the order alternates
+Method: one process; each round times a sample of `reps` steps of every candidate in turn (the order alternates
 round by round), a sample of 10 steps covering one refresh; *ratio* is the median over rounds of the per-round
 ratio optim / torch (IQR in brackets; lower is faster). *First call*: optim's trace + compile + first two steps
 (the first only builds the bases, the second is a full step), torch's first two steps (1 thread), measured once

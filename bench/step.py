@@ -45,7 +45,7 @@ bare AdamW to 1e-4, torch to 1e-3 (other kernels); it also compares optim's `opt
 optax's EMA after those steps (their moves from the initial values, to 1e-3 of the largest move). A failed check
 makes the command exit 1.
 
-Method: as `python -m bench` (`bench/runner.py`, `bench/worker.py`): ONE process per workload times all
+Method: as `python -m bench` (`bench/runner.py`, `bench/worker.py`): one process per workload times all
 candidates interleaved round by round (the order rotating), a sample is `reps` back-to-back steps and one
 block; ratios are medians of per-round ratios to `optax` with their IQR; first call (trace + compile + one
 step) and peak RSS come from a separate process per candidate. Results: `bench/STEP.json`, and the section
@@ -529,7 +529,7 @@ def _ms(s):
 METHOD = f"""\
 `python -m bench.step` (`bench/step.py`; raw results in `bench/STEP.json`). One training step of a real model:
 forward, backward and optimiser in one jitted, donating step (params and optimiser state donated), the batches
-cycling through {N_BATCHES} fixed device arrays. Method as above: ONE process per workload with all candidates
+cycling through {N_BATCHES} fixed device arrays. Method as above: one process per workload with all candidates
 interleaved round by round (order rotating), a sample is `reps` back-to-back steps and one block; *vs optax* is
 the median per-round ratio to `optax` (IQR in brackets; lower is faster); *vs bare* is the stack's per-round
 ratio to the same library's bare AdamW (what clip + skip + EMA cost); first call (trace + compile + one step),

@@ -2,7 +2,7 @@
 
 - `first`: one candidate on one workload: time of the first step (trace + compile + run), of the second step,
   and the process's peak RSS (a high-water mark, hence one process per candidate).
-- `steps`: all requested candidates on one workload in ONE process, interleaved round by round (the order
+- `steps`: all requested candidates on one workload in one process, interleaved round by round (the order
   rotates every round); each sample times `reps` back-to-back steps and one block.
 - `overhead`: per-call cost on a tiny 10-leaf model, same interleaving.
 - `setup`: `optim.setup` (and `optax.adam(...).init` for scale) on the 10000-leaf model.

@@ -252,6 +252,16 @@ def test_the_bookkeeping_check_finds_what_it_should():
         assert not bookkeeping(fine), (fine, bookkeeping(fine))
 
 
+def test_the_site_loads_nothing_from_elsewhere(built_site):
+    """No font, stylesheet or script from another host (mkdocs-material's default fetches Roboto from a font
+    CDN: offline, or behind a firewall, a page load waits on it); papers and projects are plain links."""
+    pages = sorted(built_site.rglob("*.html"))
+    loads = re.compile(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="(?:https?:)?//[^"]*"')
+    found = [f"{p.relative_to(built_site)}: {m.group(0)}" for p in pages for m in loads.finditer(p.read_text())]
+    assert found == [], "\n".join(found[:20])
+    assert "fonts.googleapis" not in "".join(p.read_text() for p in built_site.rglob("*.css"))
+
+
 def test_no_bookkeeping_on_user_pages(built_site):
     pages = sorted(built_site.rglob("*.html"))
     assert len(pages) > 20, f"{built_site} holds {len(pages)} pages: is it the built site?"

@@ -125,7 +125,7 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     Runs once, outside `jit`. Trainable leaves are jax / numpy arrays of a floating or complex dtype; everything
     else is carried through `update` untouched. Leaves that are the same array object are one parameter (a tie
     group) with one state. Same-shaped parameters are stacked into one array per state field, with a leading
-    member axis (the docs' Stacking page).
+    member axis (the docs' [stacking page](../concepts/stacking.md)).
 
     Args:
         rule: the rule of every parameter (`optim.Adam(1e-3)`); or a function `(path, array) -> rule` choosing
