@@ -2,12 +2,11 @@
 
 XLA cannot store a moment blockwise in one pass: a block's codes need its new maximum, a reduction over the new
 moments, and XLA:GPU computes that reduction in one kernel and the codes in a second, which reads the gradient
-and the old codes again to recompute the moments (or reads them back from memory). Compiled for an H100, AdamW
-with `mu_dtype=nu_dtype=q8` on one 4096x4096 parameter moved 22.2 bytes a parameter in 12 kernels, where the
-floor is 16.06 (the parameter read and written in float32, the gradient read, two codes read and written, a
-scale a block). This kernel reads each block once: its parameter, gradient, codes and scales; dequantises,
-steps, finds the new maxima and writes the parameter, the codes and the scales; one launch per parameter. With
-4-bit codes (two a byte) the even and the odd numbers of a block step as two strided parts.
+and the old codes again to recompute the moments (or reads them back from memory). This kernel reads each block
+once: its parameter, gradient, codes and scales; dequantises, steps, finds the new maxima and writes the
+parameter, the codes and the scales; one launch per parameter, at the floor of bytes a step can move
+(`bench/NOTES.md`, "The one-pass quantised kernel"). With 4-bit codes (two a byte) the even and the odd numbers
+of a block step as two strided parts.
 
 It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes) whose
 `mu_dtype` and `nu_dtype` are one `Quantized` format (`q8`, `q4`, or another block size), with one gradient

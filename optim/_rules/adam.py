@@ -95,10 +95,8 @@ class Adam(StateDtypes, Rule):
     rounded before the float32 sum, so its bfloat16 moments drift from these by a few bfloat16 ulp (given β as
     float32 arrays, optax rounds where optim does, and the stored moments are equal). optax has no `nu_dtype`:
     its `v` keeps the parameter's dtype. The step is computed from the new moments before they are rounded to
-    their storage dtype; measured over 1000 steps against float32 moments (the distance of the final parameters
-    relative to float32 Adam's distance travelled), bfloat16 `m` and `v` moved a regression by 1.2e-2 and a
-    small LM by 3.2e-2 whether the step used the rounded or the unrounded moments, and by 6.1e-2 / 4.7e-2 with
-    optax's rounding of `β₁ m` before the sum, so that is not reproduced.
+    their storage dtype, and optax's rounding of `β₁ m` before the sum is not reproduced (it moved the parameters
+    further from float32 Adam's: `bench/NOTES.md`, "bfloat16 moments and rounding").
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.array([1.0, 2.0])
