@@ -7,6 +7,9 @@
   drops the maintainers' bookkeeping (commits, measured-at stamps, machine load) that bench/*.md keep.
 - The changelog page includes CHANGELOG.md, its links to `docs/...` made relative to the docs folder.
 - Maths is MathML written in the pages (`<math>`), which browsers typeset themselves: nothing to load, offline.
+- In a table, a name in code may break only after a dot, an underscore, an opening parenthesis, a comma or an
+  equals sign (`table_code_breaks`: a `<wbr>` there; docs/stylesheets/extra.css keeps words whole), so that
+  `WeightDecay` or `contrib.schedule_free_adamw` never break mid-word.
 """
 
 from __future__ import annotations
@@ -94,3 +97,22 @@ def on_page_markdown(markdown, page, **kwargs):
     if page.file.src_uri == "benchmarks.md" and BENCH_MARK in markdown:
         markdown = markdown.replace(BENCH_MARK, bench_results((ROOT / "bench" / "RESULTS.md").read_text()))
     return BENCH_INCLUDE.sub(bench_include, markdown)
+
+
+TABLE = re.compile(r"<table>.*?</table>", re.S)
+TABLE_CODE = re.compile(r"(<code>)(.*?)(</code>)", re.S)
+
+
+def table_code_breaks(html: str) -> str:
+    """`html` with a `<wbr>` after each `.`, `_`, `(`, `,` and `=` of the code inside its tables (not after a
+    character entity's `;`, and not inside a tag)."""
+    def code(m: re.Match) -> str:
+        parts = re.split(r"(<[^>]*>|&[#\w]+;)", m.group(2))
+        text = "".join(p if p.startswith(("<", "&")) else re.sub(r"([._(,=])(?=.)", r"\1<wbr>", p) for p in parts)
+        return m.group(1) + text + m.group(3)
+    return TABLE.sub(lambda t: TABLE_CODE.sub(code, t.group(0)), html)
+
+
+def on_page_content(html, page, **kwargs):
+    return table_code_breaks(html)
+
