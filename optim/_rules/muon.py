@@ -289,10 +289,11 @@ class Muon(_Matrix):
     sends every other parameter to AdamW; here that is the rule you pair Muon with. optax counts steps once for
     the whole tree, here per parameter (the same unless some parameter skips a step). `ns_coeffs` and
     `preconditioning` are optax's, with these differences: optax has no "polar_express" preset (give it the
-    triples: `optim._rules.muon._POLAR_EXPRESS[:5]`); with per-step coefficients optax runs their number of
-    steps for any `ns_steps` not below it, where a `steps` that disagrees is refused here; "aol" and
-    "schatten" floor their divisor at ε, optax at 1e-8 whatever its `eps` (the same at the default); and
-    "schatten" uses `X Xᴴ` where optax uses `X Xᵀ` (the same for real parameters).
+    paper's first 5 triples with its safety factor, `(a / 1.01, b / 1.01³, c / 1.01⁵)`); with per-step
+    coefficients optax runs their number of steps for any `ns_steps` not below it, where a `steps` that
+    disagrees is refused here; "aol" and "schatten" floor their divisor at ε, optax at 1e-8 whatever its `eps`
+    (the same at the default); and "schatten" uses `X Xᴴ` where optax uses `X Xᵀ` (the same for real
+    parameters).
 
     >>> import jax.numpy as jnp, optim
     >>> x = jnp.zeros((2, 2))
@@ -305,7 +306,7 @@ class Muon(_Matrix):
            [ 0.  , -0.11]], dtype=float32)
     >>> optim.Muon(ns_coeffs="dion", steps=3)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: Muon: steps=3 disagrees with the 5 per-step ns_coeffs (one triple per step: ...
+    ValueError: Muon: steps=3 disagrees with the 5 per-step ns_coeffs ...
     """
 
     lr: Hyper = nonneg(0.02)
