@@ -66,11 +66,12 @@ def _adamw(sched):
     return optim.AdamW(sched(ADAMW_LR), weight_decay=ADAMW_WD)
 
 
-def _muon(sched):
-    """Muon on the blocks' matrices (qkv, proj, w1, w2); the demo's AdamW on the rest: the tied embedding (also the
-    output projection), the position embedding, the LayerNorms and the biases (Muon is for hidden layers)."""
+def _muon(sched, name: str = "Muon"):
+    """Muon (or NorMuon) on the blocks' matrices (qkv, proj, w1, w2); the demo's AdamW on the rest: the tied
+    embedding (also the output projection), the position embedding, the LayerNorms and the biases (Muon is for
+    hidden layers)."""
     import optim
-    muon = optim.chain(optim.ClipGlobalNorm(1.0), optim.Muon(sched(0.02)))
+    muon = optim.chain(optim.ClipGlobalNorm(1.0), getattr(optim, name)(sched(0.02)))
     adamw = optim.chain(optim.ClipGlobalNorm(1.0), _adamw(sched))
     return lambda path, x: muon if path.startswith("blocks") and x.ndim == 2 else adamw
 
@@ -90,9 +91,18 @@ OPTIMISERS = {
                 "multiplies its estimated step size", "cosine"),
     "DoG": (lambda s: __import__("optim").DoG(s(1.0)), "DoG(lr=1.0): the schedule with peak 1 multiplies its "
             "step size", "cosine"),
+    "NorMuon+AdamW": (lambda s: _muon(s, "NorMuon"), "NorMuon(lr=0.02) on the blocks' matrices, the demo's AdamW "
+                      "on the rest, as Muon+AdamW", "cosine"),
+    "Shampoo": (lambda s: __import__("optim").Shampoo(s(0.001)), "Shampoo(lr=0.001): its defaults (Adam grafting; "
+                "the graft's step until step 101, inverse roots every 100 steps)", "cosine"),
+    "Kron": (lambda s: __import__("optim").Kron(s(0.001)), "Kron(lr=0.001): its defaults (the preconditioner "
+             "updated every step)", "cosine"),
+    "MARS": (lambda s: __import__("optim").MARS(s(0.003)), "MARS(lr=0.003): its defaults (γ 0.025, β (0.95, "
+             "0.99))", "cosine"),
 }
-# Rules that may not exist in every checkout of optim (they were added together with this comparison).
-OPTIONAL = {"SOAP": "SOAP", "Prodigy": "Prodigy", "DoG": "DoG"}
+# Rules that may not exist in every checkout of optim (they were added together with this comparison or later).
+OPTIONAL = {"SOAP": "SOAP", "Prodigy": "Prodigy", "DoG": "DoG", "NorMuon+AdamW": "NorMuon", "Shampoo": "Shampoo",
+            "Kron": "Kron", "MARS": "MARS"}
 REFERENCE = "AdamW"
 
 

@@ -346,8 +346,9 @@ def choosing_loss_data(results: Path = BENCH / "CHOOSING.json") -> dict:
 def draw_choosing_loss(d: dict, path: Path) -> None:
     with _figure(path, figsize=(8.0, 4.0)) as fig:
         ax = fig.subplots()
-        for name, r in d["rows"].items():
-            ax.plot(*r["curve"], lw=1.4, label=f"{name} (held-out {r['held_out_loss']:.3f})")
+        for i, (name, r) in enumerate(d["rows"].items()):     # past the 10 colours of the cycle, dashed
+            ax.plot(*r["curve"], lw=1.4, ls="-" if i < 10 else "--",
+                    label=f"{name} (held-out {r['held_out_loss']:.3f})")
         ax.set(xlabel="step", ylabel=f"training loss, nats per character (mean of {d['k']} steps)", ylim=(2.2, 3.6),
                title=f"the demo's tied character LM ({d['n_params']:,} parameters), "
                      f"{d['steps']} steps, same batches")
