@@ -492,6 +492,12 @@ def _defaults():
     return [(r.cls.__name__, r.default) for r in RULES if r.default is not None and not r.cls._initial]
 
 
+def _matrices_only() -> set:
+    """The rules the registry steps on matrices only (its `matrices` cases: Muon, NorMuon)."""
+    from rule_cases import RULES
+    return {r.cls.__name__ for r in RULES if r.matrices}
+
+
 @pytest.mark.parametrize("name, rule", _defaults(), ids=[n for n, _ in _defaults()])
 def test_every_hyperparameter_may_be_a_schedule_also_where_init_reads_it(name, rule):
     """A `Constant` in place of each number of a rule's defaults (AMSGrad's ε starts its moments, AdaGrad's its
@@ -501,7 +507,7 @@ def test_every_hyperparameter_may_be_a_schedule_also_where_init_reads_it(name, r
         pytest.skip(f"{name} has no hyperparameter to schedule")
     key = jax.random.key(0)
     model = {"w": jax.random.normal(key, (6, 5)), "v": jnp.linspace(-1.0, 1.0, 5)}
-    if name in ("Muon", "SOAP", "Lars"):
+    if name in ("SOAP", "Lars") or name in _matrices_only():
         model = {"w": model["w"]}
     got = []
     for r in (rule, sched):
