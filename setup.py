@@ -219,10 +219,12 @@ _COMPAT_SOURCES, _COMPAT_MACROS, _COMPAT_LINK = _manylinux()
 fused = Extension(
     KERNEL,
     # The handlers with the element loops for the baseline x86-64, and the loops for AVX2 and for AVX-512 (the
-    # build that runs is chosen at load), compiled at once (`_compile_at_once`).
+    # build that runs is chosen at load), and the one-pass quantised Adam step's handler, compiled at once
+    # (`_compile_at_once`).
     sources=["optim/_engine/fused.cc", "optim/_engine/fused_avx2.cc", "optim/_engine/fused_avx512.cc",
-             *_COMPAT_SOURCES],
-    depends=["optim/_engine/fused.h", "optim/_engine/fused_loops.inc", "build_support/kernel.map"],
+             "optim/_engine/fused_quantized.cc", *_COMPAT_SOURCES],
+    depends=["optim/_engine/fused.h", "optim/_engine/fused_loops.inc", "optim/_engine/fused_quantized.inc",
+             "build_support/kernel.map"],
     define_macros=_COMPAT_MACROS,
     language="c++",
     # -fno-math-errno: sqrt without the errno branch, so the element loop vectorises. -fvisibility=hidden: only the

@@ -550,6 +550,21 @@ for name, rule in rules.items():
         for j, a in enumerate(leaves):
             out[f"{name} {jnp.dtype(dtype).name} {j}"] = np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16
                                                                      else a)
+# The one-pass step of quantised moments (fused_quantized.inc): float32 parameters of whole blocks, 8 and 4 bits.
+quantised = {
+    "adamw q8": optim.AdamW(0.01, weight_decay=0.1, mu_dtype=optim.q8, nu_dtype=optim.q8),
+    "adam q4": optim.Adam(0.01, mu_dtype=optim.q4, nu_dtype=optim.q4),
+    "adamw uncoupled q4": optim.AdamW(0.01, weight_decay=0.1, couple=False, mu_dtype=optim.q4, nu_dtype=optim.q4),
+}
+for name, rule in quantised.items():
+    m = {"w": jnp.asarray(rng.standard_normal((40, 256)), jnp.float32)}
+    state = optim.setup(rule, m)
+    step = jax.jit(lambda s, m, g: optim.update(s, m, g))
+    scale = 10.0 ** rng.integers(-22, 4, (40, 256))
+    for t in range(4):
+        state, m = step(state, m, {"w": jnp.asarray(rng.standard_normal((40, 256)) * scale, jnp.float32)})
+    for j, a in enumerate(jax.tree.leaves((m, optim.state_dict(state)))):
+        out[f"{name} {j}"] = np.asarray(a)
 np.savez(sys.argv[1], **out)
 print(fused.WHY)
 """
@@ -590,12 +605,14 @@ def test_instruction_set_builds_share_no_standard_template():
     AVX-512 code. So the loops call the standard library only for `std::memcpy` and `std::sqrt` (plain functions,
     defined before the pragma), and every build includes fused.h before its pragma."""
     engine = Path(optim.__file__).parent / "_engine"
-    loops = engine.joinpath("fused_loops.inc").read_text()
-    code = "\n".join(line.split("//")[0] for line in loops.splitlines())
-    assert set(re.findall(r"std::\w+", code)) <= {"std::memcpy", "std::sqrt"}
-    assert "#include" not in code   # what the loops use comes from fused.h, before the pragma
+    for loops in ("fused_loops.inc", "fused_quantized.inc"):     # the second: the one-pass quantised step's
+        code = "\n".join(line.split("//")[0] for line in engine.joinpath(loops).read_text().splitlines())
+        assert set(re.findall(r"std::\w+", code)) <= {"std::memcpy", "std::sqrt"}, loops
+        assert "#include" not in code   # what the loops use comes from fused.h, before the pragma
     for name in ("fused_avx2.cc", "fused_avx512.cc"):
         text = engine.joinpath(name).read_text()
-        assert text.index('#include "fused.h"') < text.index("#pragma GCC target") < text.index('"fused_loops.inc"')
+        assert (text.index('#include "fused.h"') < text.index("#pragma GCC target") < text.index('"fused_loops.inc"')
+                < text.index('"fused_quantized.inc"'))
     base = engine.joinpath("fused.cc").read_text()
-    assert "#pragma GCC target" not in base and base.index('#include "fused.h"') < base.index('"fused_loops.inc"')
+    assert "#pragma GCC target" not in base
+    assert base.index('#include "fused.h"') < base.index('"fused_loops.inc"') < base.index('"fused_quantized.inc"')

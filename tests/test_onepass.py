@@ -1,8 +1,8 @@
-"""The one-pass quantised Adam step (optim._engine.onepass; q8 and q4): on the CPU it lowers to XLA's operations,
-which must compute exactly what XLA's path computes without it; its Pallas kernel, run in interpret mode,
-against XLA's path; which requests it takes and why it refuses the others; vmap, a tie, a `None` gradient, a
-derivative and export through it. What it compiles to on an H100 (one kernel a parameter, the bytes' floor) is
-in `tests/test_gpu_kernels.py`."""
+"""The one-pass quantised Adam step (optim._engine.onepass; q8 and q4): on the CPU without the fused kernel it
+lowers to XLA's operations, which must compute exactly what XLA's path computes without it; the fused CPU kernel's
+step and its Pallas kernel, run in interpret mode, against XLA's path; which requests it takes and why it refuses
+the others; vmap, a tie, a `None` gradient, a derivative and export through it. What it compiles to on an H100 (one
+kernel a parameter, the bytes' floor) is in `tests/test_gpu_kernels.py`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import optim
-from optim._engine import onepass
+from optim._engine import fused, onepass
 
 Q8 = dict(mu_dtype=optim.q8, nu_dtype=optim.q8)
 Q4 = dict(mu_dtype=optim.q4, nu_dtype=optim.q4)
@@ -60,6 +60,8 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_cpu_lowering_is_xla_s_path_bitwise(monkeypatch, name):
+    """Without the fused CPU kernel the primitive lowers to `reference`: XLA's own operations, the same bits."""
+    monkeypatch.setattr(fused, "ENABLED", False)
     on = _train(monkeypatch, RULES[name](), enabled=True, none_at=2)
     off = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
     for a, b in zip(_leaves(on), _leaves(off)):
@@ -83,6 +85,45 @@ def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
             assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_cpu_kernel_against_xla_s_path(monkeypatch, name):
+    """The fused CPU kernel's one-pass step (fused_quantized.cc) on one CPU device: the kernel's own arithmetic,
+    uncontracted, where XLA may contract a product and a sum: parameters within a few float32 ulp, codes within
+    one code; a None gradient leaves the state as it was."""
+    monkeypatch.setattr(onepass, "ENABLED", True)
+    monkeypatch.setattr(onepass, "INTERPRET", False)
+    params = _params()
+    state = optim.setup(RULES[name](), params)
+    lowered = jax.jit(lambda s, m, g: optim.update(s, m, g)).lower(state, params, _grads(params, 0)).as_text()
+    assert lowered.count("custom_call @optim_adam_quantized") == 2       # w and r; u and b on XLA's path
+    (s1, p1) = _train(monkeypatch, RULES[name](), enabled=True, none_at=2)
+    (s0, p0) = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
+    for k in p0:
+        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+    for a, b in zip(_leaves(s1), _leaves(s0)):
+        if a.dtype == np.uint8:
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")
+def test_cpu_kernel_updates_donated_buffers_in_place(monkeypatch):
+    """Donated, the kernel's results are its operands' buffers: the step allocates no parameter or moment."""
+    monkeypatch.setattr(onepass, "ENABLED", True)
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 256))}
+    state = optim.setup(RULES["AdamW"](), params)
+    step = jax.jit(lambda s, m, g: optim.update(s, m, g), donate_argnums=(0, 1))
+    state, params = step(state, params, _grads(params, 0))      # the state on the device
+    pointers = {a.unsafe_buffer_pointer() for a in jax.tree.leaves((state, params))
+                if isinstance(a, jax.Array) and a.size >= 64}
+    state, params = step(state, params, _grads(params, 0))
+    after = {a.unsafe_buffer_pointer() for a in jax.tree.leaves((state, params))
+             if isinstance(a, jax.Array) and a.size >= 64}
+    assert after == pointers
 
 
 @pytest.mark.parametrize("blocks, rows", [(64, 16), (66, 2), (33, 1), (16, 16), (48, 16), (24, 8)])
@@ -134,7 +175,9 @@ def test_refuses_a_group_of_quantised_parameters(monkeypatch, caplog):
 
 
 def test_vmap_of_update_equals_each_model(monkeypatch):
-    """Under the user's vmap the primitive sees a batch of 3 models: XLA's operations, vmapped."""
+    """Under the user's vmap the primitive sees a batch of 3 models: XLA's operations, vmapped (the fused CPU
+    kernel off, which each model alone would take: an ulp apart, `test_cpu_kernel_against_xla_s_path`)."""
+    monkeypatch.setattr(fused, "ENABLED", False)
     rule = RULES["AdamW"]()
     params = {"w": jax.random.normal(jax.random.key(2), (3, 64, 256))}
     grads = {"w": jax.random.normal(jax.random.key(3), (3, 64, 256))}

@@ -48,6 +48,7 @@ namespace optim_kernel {
 // each build and compares).
 namespace base {
 #include "fused_loops.inc"
+#include "fused_quantized.inc"
 }  // namespace base
 
 // The build of the loops that runs: 0 baseline, 1 AVX2, 2 AVX-512; the best this CPU has, at most the one the

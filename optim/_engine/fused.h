@@ -61,21 +61,42 @@ struct Work {
 
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
+// One call of the one-pass quantised Adam step (fused_quantized.cc): a float32 parameter of whole blocks, its
+// gradient, and its two moments as codes and scales (the first on the signed map, the second on the unsigned).
+constexpr int64_t kMaxQBlock = 4096;   // numbers a block holds at most here (its moments are kept on the stack)
+struct QWork {
+  int64_t kind, bits, block;
+  float scalars[7];                    // lr, b1, b2, eps, c1, c2, wd: the first fields of fused_loops.inc's rows
+  int32_t shift[2], top[2];            // per map (m, v): see fused_quantized.inc's QMap
+  uint32_t base[2];
+  float half_smallest;                 // the signed map's
+  const float *x, *g, *ms, *vs;
+  const uint8_t *mc, *vc;
+  float *xo, *mso, *vso;
+  uint8_t *mco, *vco;
+};
+
+// The build of the element loops that runs (fused.cc): 0 baseline, 1 AVX2, 2 AVX-512.
+int Isa();
+
 // The element loops' entry points, per instruction set (fused_loops.inc): the loop for a call's kind, dtypes
 // (parameter, m, v), two gradient parts or one, in place or beside, with an EMA or not; and whether elements
 // [lo, hi) of a float32 (bfloat16) array are all finite.
 namespace base {
 Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place, bool ema);
 bool FiniteRange(bool bf16, const void* data, int64_t lo, int64_t hi);
+void QuantizedBlocks(const QWork& w, int64_t lo, int64_t hi);
 }  // namespace base
 #ifdef OPTIM_X86
 namespace avx2 {
 Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place, bool ema);
 bool FiniteRange(bool bf16, const void* data, int64_t lo, int64_t hi);
+void QuantizedBlocks(const QWork& w, int64_t lo, int64_t hi);
 }  // namespace avx2
 namespace avx512 {
 Runner Pick(int64_t kind, bool p, bool m1, bool m2, bool two, bool in_place, bool ema);
 bool FiniteRange(bool bf16, const void* data, int64_t lo, int64_t hi);
+void QuantizedBlocks(const QWork& w, int64_t lo, int64_t hi);
 }  // namespace avx512
 #endif
 

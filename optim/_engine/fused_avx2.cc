@@ -7,6 +7,7 @@
 namespace optim_kernel {
 namespace avx2 {
 #include "fused_loops.inc"
+#include "fused_quantized.inc"
 }  // namespace avx2
 }  // namespace optim_kernel
 #endif

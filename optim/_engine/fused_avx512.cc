@@ -8,6 +8,7 @@
 namespace optim_kernel {
 namespace avx512 {
 #include "fused_loops.inc"
+#include "fused_quantized.inc"
 }  // namespace avx512
 }  // namespace optim_kernel
 #endif

@@ -13,6 +13,7 @@ __all__ = ["load"]
 
 TARGET = "optim_fused"
 FINITE = "optim_finite"  # whether arrays are all finite (optim/_engine/fused.cc): SkipNonFinite's question
+QUANTIZED = "optim_adam_quantized"   # the one-pass quantised Adam step (optim/_engine/fused_quantized.cc)
 _KERNEL = "_fused_kernel.so"       # built by setup.py: a plain shared library, one file for every Python version
 _RECORD = "_fused_kernel.json"     # beside it (setup.py): the jaxlib and XLA FFI API version it was compiled against
 
@@ -80,6 +81,7 @@ def load(folder: str = os.path.dirname(__file__)) -> tuple[bool, str]:
         lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.optim_fused), platform="cpu")
         jax.ffi.register_ffi_target(FINITE, jax.ffi.pycapsule(lib.optim_finite), platform="cpu")
+        jax.ffi.register_ffi_target(QUANTIZED, jax.ffi.pycapsule(lib.optim_adam_quantized), platform="cpu")
     except Exception as e:      # a broken file: the JAX path still works
         return False, f"optim's fused CPU kernel {path} could not be loaded: {e!r}"
     also = "" if was == jaxlib else f" (built against jaxlib {was}, runs under jaxlib {jaxlib})"

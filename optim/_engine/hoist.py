@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from .._base.cache import LRU
+from . import strategies
 from .pack import SMALL, fill, is_packed, split_rows
 from .stack import row_index, take_rows, traced_sharded
 from .._rules.protocol import apply_all, looks_across
@@ -179,7 +180,9 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         smalls = [jax.ShapeDtypeStruct((m,) + np.shape(packs[group][h.leaf])[1:], packs[group][h.leaf].dtype)
                   for h in holders]
         big = [_aval(a) for a in wides + [xs[i], *dxs[i]]]
-        key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), tuple(big), rule_avals)
+        # The switches too: a step may trace differently under another (optim._engine.onepass reads fused's).
+        key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), tuple(big), rule_avals,
+               strategies.key())
         sp = _SPLITS.get(key)
         if sp is None:
             sp = _split(rule, state_def, small_at, smalls, big[:len(wides)], big[len(wides)],

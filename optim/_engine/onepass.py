@@ -1,4 +1,5 @@
-"""The one-pass GPU step of Adam and AdamW with quantised moments: a Pallas kernel, one of the engine's strategies.
+"""The one-pass step of Adam and AdamW with quantised moments: a Pallas kernel on the GPU, a call of the fused
+kernel on the CPU; one of the engine's strategies.
 
 XLA cannot store a moment blockwise in one pass: a block's codes need its new maximum, a reduction over the new
 moments, and XLA:GPU computes that reduction in one kernel and the codes in a second, which reads the gradient
@@ -18,12 +19,16 @@ rule's own step. The bias corrections and every small value are computed as XLA'
 (optim._engine.hoist).
 
 The choice of code is made when the program is lowered, as the fused CPU kernel's (optim._engine.kernel_choice):
-lowered for CUDA on one device, the Pallas kernel (Triton); anywhere else (CPU, TPU, a program over several
-devices, `jax.export`), the same arithmetic in XLA's operations (`reference`), which is XLA's path's, so a CPU
-process computes what it computed without this strategy. Vmapped over more than one parameter (a grouped stack),
-the primitive is replaced by `reference` when traced, which XLA's path then evaluates member by member
-(optim._engine.members). `INTERPRET = True` runs the Pallas kernel in interpret mode on the CPU instead of the
-reference (the tests compare the two).
+lowered for CUDA on one device, the Pallas kernel (Triton); for one CPU device, where the fused CPU kernel is
+loaded and on (optim._engine.fused; its blocks of at most 4096 numbers), its custom call `optim_adam_quantized`
+(fused_quantized.cc: the same one pass over each block, the fused kernel's arithmetic, which XLA's contracted
+multiply-adds may round differently by an ulp or so); anywhere else (TPU, a program over several devices,
+`jax.export`, the kernel off), the same arithmetic in XLA's operations (`reference`), which is XLA's path's, so
+such a process computes what it computed without this strategy. Whether the CPU kernel may run is decided when
+traced (a switch traced off lowers without it), whether it does when lowered. Vmapped over more than one parameter
+(a grouped stack), the primitive is replaced by `reference` when traced, which XLA's path then evaluates member by
+member (optim._engine.members). `INTERPRET = True` runs the Pallas kernel in interpret mode on the CPU instead of
+the reference (the tests compare the two).
 """
 
 from __future__ import annotations
@@ -37,21 +42,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from . import xla as xla
+from . import fused, fused_load, xla
 from .strategies import Request, Result, Strategy, register, switch
 from .._rules.adam import Adam, AdamState, AdamW
 from .._rules.moments import bt_next, debias
 from .._rules.protocol import Replace, abs2, as_compute, eps_of, pair_of
-from .._rules.quantized import Quantized, QuantizedArray, _decode, _encode
+from .._rules.quantized import MANTISSA, Quantized, QuantizedArray, _decode, _encode
 
 __all__ = ["ENABLED", "INTERPRET", "OnePass", "ONE_PASS", "onepass_p", "reference"]
 
 ENABLED = os.environ.get("OPTIM_ONEPASS", "1").strip().lower() not in ("0", "false", "no", "off")
 INTERPRET = False       # lowered for CPU: the Pallas kernel in interpret mode, not `reference` (tests)
 ROWS = 16               # blocks a program of the kernel steps at most (a power of 2, as Triton's blocks must be)
+CPU_MAX_BLOCK = 4096    # numbers a block holds at most in the CPU kernel (fused.h's kMaxQBlock)
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
@@ -140,6 +147,25 @@ def _pallas(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized
     return (out[0].reshape(x.shape), *out[1:])
 
 
+def _on_cpu_kernel(fmt: Quantized) -> bool:
+    """Whether the fused CPU kernel's one-pass step (optim/_engine/fused_quantized.cc) takes blocks of `fmt`: it
+    is loaded and on (optim._engine.fused), and a block fits its stack buffers, both maps alike."""
+    return (fused.ENABLED and fused.AVAILABLE and fmt.block <= CPU_MAX_BLOCK
+            and MANTISSA[fmt.bits, True] == MANTISSA[fmt.bits, False])
+
+
+def _cpu_kernel(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized, fv: Quantized):
+    """The step as the fused CPU kernel's custom call, its buffers updated in place (see `reference`)."""
+    kind = 0 if not adamw else 1 if couple else 2      # fused.h's kAdam, kAdamWCoupled, kAdamWDecoupled
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)     # noqa: E731
+    # fused_quantized.cc reads the scalars as fused_loops.inc's rows: lr, b1, b2, eps, c1, c2, wd.
+    b1, b2, c1, c2, eps, lr, wd = (s[i] for i in range(7))
+    call = jax.ffi.ffi_call(fused_load.QUANTIZED, [like(x), like(mc), like(ms), like(vc), like(vs)],
+                            input_output_aliases={1: 0, 3: 1, 4: 2, 5: 3, 6: 4})
+    return tuple(call(jnp.stack([lr, b1, b2, eps, c1, c2, wd]), x, g, mc, ms, vc, vs, kind=np.int64(kind),
+                      bits=np.int64(fm.bits), mantissa=np.int64(MANTISSA[fm.bits, True])))
+
+
 # ------------------------------------------------------------------------------------------------ primitive
 onepass_p = jcore.Primitive("optim_adam_quantized")
 onepass_p.multiple_results = True
@@ -148,31 +174,36 @@ onepass_p.multiple_results = True
 def onepass(*args, **params) -> tuple:
     """`reference(*args, **params)`, computed by the Pallas kernel where the program is lowered for one CUDA
     device (see the module)."""
-    return tuple(onepass_p.bind(*args, **params))
+    # The fused CPU kernel's choice is made when traced, so that a program traced with it off (fused.ENABLED, a
+    # switch) is lowered without it.
+    return tuple(onepass_p.bind(*args, **params, cpu_kernel=_on_cpu_kernel(params["fm"])))
 
 
-def _abstract(*avals, **params):
+def _abstract(*avals, cpu_kernel: bool, **params):
     shapes = jax.eval_shape(functools.partial(reference, **params), *avals)
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in shapes]
 
 
 def _lowering(on_cuda: bool):
-    def rule(ctx, *args, **params):
+    def rule(ctx, *args, cpu_kernel: bool, **params):
         ctx_m = ctx.module_context
         ax = ctx_m.axis_context     # a program over several devices: XLA partitions its own operations only
         one_device = type(ax).__name__ == "SingleDeviceAxisContext" or (
             type(ax).__name__ == "ShardingContext" and ax.num_devices == 1)
-        if on_cuda and one_device and not ctx_m.lowering_parameters.for_export:
+        export = ctx_m.lowering_parameters.for_export
+        if on_cuda and one_device and not export:
             fn = functools.partial(_pallas, **params)
         elif INTERPRET and not on_cuda:
             fn = functools.partial(_pallas, **params, interpret=True)
+        elif not on_cuda and one_device and not export and cpu_kernel:
+            fn = functools.partial(_cpu_kernel, **params)
         else:
             fn = functools.partial(reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     return rule
 
 
-def _batch(args, dims, **params):
+def _batch(args, dims, *, cpu_kernel: bool, **params):
     sizes = {a.shape[d] for a, d in zip(args, dims) if d is not None}
     if sizes == {1}:
         # A parameter alone in its stack: its arrays read through their stack of one (a reshape).
@@ -183,13 +214,13 @@ def _batch(args, dims, **params):
     return list(jax.vmap(functools.partial(reference, **params), in_axes=axes)(*args)), [0] * 5
 
 
-def _jvp(primals, tangents, **params):
+def _jvp(primals, tangents, *, cpu_kernel: bool, **params):
     dots = tuple(ad.instantiate_zeros(t) for t in tangents)
     out, dout = jax.jvp(functools.partial(reference, **params), tuple(primals), dots)
     return list(out), list(dout)
 
 
-onepass_p.def_impl(lambda *args, **params: jax.jit(functools.partial(onepass, **params))(*args))
+onepass_p.def_impl(lambda *args, cpu_kernel, **params: jax.jit(functools.partial(onepass, **params))(*args))
 onepass_p.def_abstract_eval(_abstract)
 mlir.register_lowering(onepass_p, _lowering(False))
 mlir.register_lowering(onepass_p, _lowering(True), platform="cuda")
