@@ -46,14 +46,18 @@ GPU_RESULTS = BENCH / "GPU.json"
 # What the computed figures drew (their data, keyed by file name), written with their PNGs.
 RECORDS = BENCH / "FIGURES.json"
 
-DPI = 110
+# Drawn for the docs' content column (about 690 px at a 1280 px window): 6.4 in at 200 dpi is 1280 px, shown at
+# about half size, so a 10 pt text is about 15 px on the page, the size of the body text; a click on a figure
+# opens it at full size (docs/_ext/hooks.py). One panel per row: side by side, each would be half as wide again.
+DPI = 200
+WIDTH = 6.4
 STYLE = {
-    "font.size": 9,
-    "axes.titlesize": 9.5,
-    "axes.labelsize": 9,
-    "legend.fontsize": 8,
-    "xtick.labelsize": 8,
-    "ytick.labelsize": 8,
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 10,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
     "axes.grid": True,
     "grid.alpha": 0.3,
     "axes.spines.top": False,
@@ -117,30 +121,37 @@ def step_ratios_data(results: Path = BENCH / "RESULTS.json", where: str = "CPU")
                        for name in RATIO_CANDIDATES}}
 
 
+def _ratio_bars(fig, workloads: list[str], ratios: dict[str, list], candidates: dict, title: str) -> None:
+    """Horizontal bars, a group per workload (top to bottom) and a bar per candidate, each labelled with its value:
+    a bar chart's value labels stay at the text's size however many workloads there are."""
+    names = [n for n in candidates if any(v is not None for v in ratios.get(n, []))]
+    height = 0.84 / len(names)
+    top = max([1.0] + [v for n in names for v in ratios[n] if v is not None])
+    ax = fig.subplots()
+    for i, name in enumerate(names):
+        label, colour = candidates[name]
+        ys = np.arange(len(workloads)) + (i - (len(names) - 1) / 2) * height
+        got = [(y, v) for y, v in zip(ys, ratios[name]) if v is not None]
+        bars = ax.barh([y for y, _ in got], _round([v for _, v in got], 3), height * 0.9, color=colour, label=label)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for _, v in got], padding=2)
+        for y, v in zip(ys, ratios[name]):
+            if v is None:
+                ax.text(0.03, y, "not run", va="center", color="#999999")
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yticks(np.arange(len(workloads)), [WORKLOAD_LABELS.get(w, w) for w in workloads])
+    ax.set_ylim(len(workloads) - 0.5, -0.5)   # the first workload at the top
+    ax.set_xlim(0, 1.15 * top)
+    ax.set_xlabel("step time / optax's (lower is faster)")
+    ax.grid(axis="y", visible=False)
+    ax.set_title(title)
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
+
+
 def draw_step_ratios(d: dict, path: Path) -> None:
     workloads = d["workloads"]
-    width = 0.8 / len(RATIO_CANDIDATES)
-    with _figure(path, figsize=(10.4, 4.0)) as fig:
-        ax = fig.subplots()
-        for i, (name, (label, colour)) in enumerate(RATIO_CANDIDATES.items()):
-            xs = np.arange(len(workloads)) + (i - (len(RATIO_CANDIDATES) - 1) / 2) * width
-            vals = d["ratios"][name]
-            got = [(x, v) for x, v in zip(xs, vals) if v is not None]
-            bars = ax.bar([x for x, _ in got], _round([v for _, v in got], 3), width * 0.92, color=colour,
-                          label=label)
-            ax.bar_label(bars, labels=[f"{v:.2f}" for _, v in got], fontsize=5.5, padding=1.5, rotation=90)
-            for x, v in zip(xs, vals):
-                if v is None:
-                    ax.text(x, 0.03, "not run", rotation=90, fontsize=6, ha="center", va="bottom",
-                            color="#999999")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(np.arange(len(workloads)), [WORKLOAD_LABELS[w] for w in workloads])
-        ax.set_ylabel("step time / optax's (lower is faster)")
-        ax.set_ylim(0, 4.6)
-        ax.grid(axis="x", visible=False)
-        ax.set_title(f"Adam's step, relative to a jitted optax.adam step in the same round ({d['where']})")
-        ax.legend(loc="upper right", ncols=2, frameon=False)
-        fig.tight_layout()
+    with _figure(path, figsize=(WIDTH, 2.4 + 0.85 * len(workloads)), layout="constrained") as fig:
+        _ratio_bars(fig, workloads, d["ratios"], RATIO_CANDIDATES,
+                    f"Adam's step, relative to a jitted optax.adam step\nin the same round ({d['where']})")
 
 
 def step_ratios(path: Path, results: Path = BENCH / "RESULTS.json", where: str = "CPU") -> None:
@@ -166,27 +177,10 @@ def gpu_ratios_data(results: Path = GPU_RESULTS) -> dict:
 
 def draw_gpu_ratios(d: dict, path: Path) -> None:
     workloads = list(d["ratios"])
-    names = [n for n in GPU_CANDIDATES if any(n in rows for rows in d["ratios"].values())]
-    width = 0.8 / len(names)
-    top = max([1.0] + [v for rows in d["ratios"].values() for v in rows.values() if v is not None])
-    with _figure(path, figsize=(7.2, 3.8)) as fig:
-        ax = fig.subplots()
-        for i, name in enumerate(names):
-            label, colour = GPU_CANDIDATES[name]
-            xs = np.arange(len(workloads)) + (i - (len(names) - 1) / 2) * width
-            got = [(x, d["ratios"][w].get(name)) for x, w in zip(xs, workloads)]
-            got = [(x, v) for x, v in got if v is not None]
-            bars = ax.bar([x for x, _ in got], _round([v for _, v in got], 3), width * 0.92, color=colour,
-                          label=label)
-            ax.bar_label(bars, labels=[f"{v:.2f}" for _, v in got], fontsize=6.5, padding=1.5)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(np.arange(len(workloads)), [WORKLOAD_LABELS.get(w, w) for w in workloads])
-        ax.set_ylabel("step time / optax's (lower is faster)")
-        ax.grid(axis="x", visible=False)
-        ax.set_ylim(0, 1.45 * top)   # room for the legend
-        ax.set_title(f"Adam's step, relative to a jitted optax.adam step ({d['device']})")
-        ax.legend(loc="upper left", frameon=False, fontsize=7)
-        fig.tight_layout()
+    ratios = {n: [d["ratios"][w].get(n) for w in workloads] for n in GPU_CANDIDATES}
+    with _figure(path, figsize=(WIDTH, 2.4 + 0.7 * len(workloads)), layout="constrained") as fig:
+        _ratio_bars(fig, workloads, ratios, GPU_CANDIDATES,
+                    f"Adam's step, relative to a jitted optax.adam step\n({d['device']})")
 
 
 def gpu_ratios(path: Path, results: Path = GPU_RESULTS) -> None:
@@ -248,18 +242,17 @@ def tie_drift_data(steps: int = TIE_STEPS) -> dict[str, list[float]]:
 
 def draw_tie_drift(d: dict, path: Path) -> None:
     steps = np.arange(len(d["optax distance"]))
-    with _figure(path, figsize=(9.6, 3.4)) as fig:
-        a, b = fig.subplots(1, 2)
+    with _figure(path, figsize=(WIDTH, 7.6), layout="constrained") as fig:
+        a, b = fig.subplots(2, 1, sharex=True)
         a.plot(steps, d["optax distance"], color="#d62728", lw=1.8, label="optax.adam")
         a.plot(steps, d["optim distance"], color="#1f77b4", lw=1.8, label="optim.Adam (0 at every step)")
-        a.set(xlabel="step", ylabel="‖embed − unembed‖", title="distance between the two copies of the tied matrix")
+        a.set(ylabel="‖embed − unembed‖", title="distance between the two copies of the tied matrix")
         a.legend(frameon=False)
         b.plot(steps, d["optax embed"], color="#d62728", lw=1.8, label='optax: params["embed"][0, 0]')
         b.plot(steps, d["optax unembed"], color="#d62728", lw=1.8, ls="--", label='optax: params["unembed"][0, 0]')
         b.plot(steps, d["optim embed"], color="#1f77b4", lw=1.8, label="optim: both paths (one array)")
         b.set(xlabel="step", ylabel="value", title="one entry of the tied matrix, at both paths")
-        b.legend(frameon=False)
-        fig.tight_layout()
+        b.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16))   # below: the lines fill the panel
 
 
 def tie_drift(path: Path) -> None:
@@ -304,21 +297,23 @@ def schedules_data() -> dict:
 
 
 def draw_schedules(d: dict, path: Path) -> None:
-    """One small panel per schedule."""
-    with _figure(path, figsize=(10.4, 4.6)) as fig:
-        axes = fig.subplots(2, 5, sharex=True, sharey=True).ravel()
+    """A panel per schedule, two panels a row."""
+    rows = math.ceil(len(d) / 2)
+    with _figure(path, figsize=(WIDTH, 2.05 * rows + 0.4), layout="constrained") as fig:
+        axes = fig.subplots(rows, 2, sharex=True, sharey=True).ravel()
         for ax, (title, lines) in zip(axes, d.items()):
             for label, values in lines.items():
                 ax.plot(np.arange(len(values)), values, lw=1.6, label=label or None)
-            ax.set_title(title, fontsize=7.5)
+            ax.set_title(title, fontsize=10)
             if next(iter(lines)):
-                ax.legend(frameon=False, fontsize=6.5, loc="lower center")
-        for ax in axes[5:]:
+                ax.legend(frameon=False, loc="best")
+        for ax in axes[-2:]:
             ax.set_xlabel("step")
-        for ax in axes[::5]:
+        for ax in axes[::2]:
             ax.set_ylabel("value")
+        for ax in axes[len(d):]:
+            ax.set_visible(False)
         axes[0].set_ylim(-0.05, 1.1)
-        fig.tight_layout()
 
 
 def schedules(path: Path) -> None:
@@ -344,16 +339,15 @@ def choosing_loss_data(results: Path = BENCH / "CHOOSING.json") -> dict:
 
 
 def draw_choosing_loss(d: dict, path: Path) -> None:
-    with _figure(path, figsize=(8.0, 4.0)) as fig:
+    with _figure(path, figsize=(WIDTH, 7.0), layout="constrained") as fig:
         ax = fig.subplots()
         for i, (name, r) in enumerate(d["rows"].items()):     # past the 10 colours of the cycle, dashed
             ax.plot(*r["curve"], lw=1.4, ls="-" if i < 10 else "--",
                     label=f"{name} (held-out {r['held_out_loss']:.3f})")
-        ax.set(xlabel="step", ylabel=f"training loss, nats per character (mean of {d['k']} steps)", ylim=(2.2, 3.6),
-               title=f"the demo's tied character LM ({d['n_params']:,} parameters), "
+        ax.set(xlabel="step", ylabel=f"training loss, nats per character\n(mean of {d['k']} steps)", ylim=(2.2, 3.6),
+               title=f"the demo's tied character LM ({d['n_params']:,} parameters),\n"
                      f"{d['steps']} steps, same batches")
-        ax.legend(frameon=False, ncols=2)
-        fig.tight_layout()
+        fig.legend(loc="outside lower center", ncols=2, frameon=False)
 
 
 def choosing_loss(path: Path, results: Path = BENCH / "CHOOSING.json") -> None:
@@ -368,16 +362,16 @@ def lowmem_loss_data(results: Path | dict = BENCH / "LOWMEM.json") -> dict:
 
 
 def draw_lowmem_loss(d: dict, path: Path) -> None:
-    """One panel per model."""
-    with _figure(path, figsize=(6 * len(d), 4)) as fig:
-        for ax, (model, runs) in zip(fig.subplots(1, len(d), squeeze=False)[0], d.items()):
+    """A panel per model, one above the other, and one legend for both (the runs are the same)."""
+    with _figure(path, figsize=(WIDTH, 1.6 + 3.2 * len(d)), layout="constrained") as fig:
+        axes = fig.subplots(len(d), 1, squeeze=False)[:, 0]
+        for ax, (model, runs) in zip(axes, d.items()):
             for name, curve in runs.items():
                 ax.plot(*curve, label=name, lw=1.2)
             ax.set_title(model)
-            ax.set_xlabel("step")
-            ax.set_ylabel("training loss (running mean)")
-            ax.legend(fontsize=7, frameon=False)
-        fig.tight_layout()
+            ax.set_ylabel("training loss\n(running mean)")
+        axes[-1].set_xlabel("step")
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
 
 
 def lowmem_loss(path: Path, results: Path | dict = BENCH / "LOWMEM.json") -> None:

@@ -268,3 +268,17 @@ def test_no_bookkeeping_on_user_pages(built_site):
     found = [f"{p.relative_to(built_site)}: {hit}" for p in pages
              if str(p.relative_to(built_site)) not in NOT_USER_PAGES for hit in bookkeeping(html_text(p.read_text()))]
     assert found == [], "bookkeeping on user pages (keep it in bench/*.md and CHANGELOG.md):\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------------------- the built site's figures
+def test_every_figure_on_a_built_page_opens_its_image(built_site):
+    """The figures are drawn at twice the column's width: a click opens the image at full size
+    (docs/_ext/hooks.py)."""
+    unlinked = []
+    for p in sorted(built_site.rglob("*.html")):
+        page = p.read_text()
+        for m in re.finditer(r'<img\b[^>]*\bsrc="([^"]+\.png)"[^>]*>', page):
+            if not re.search(r'<a\b[^>]*\bhref="' + re.escape(m[1]) + r'"[^>]*>\s*$', page[: m.start()]):
+                unlinked.append(f"{p.relative_to(built_site)}: {m[1]}")
+    assert unlinked == [], "figures a click does not open:\n" + "\n".join(unlinked)
+    assert "images/bench-cpu-ratios.png" in (built_site / "benchmarks" / "index.html").read_text()

@@ -134,3 +134,52 @@ def test_every_figure_bench_draws_is_shown_and_the_gpu_chart_waits_for_gpu_resul
     if not figures.GPU_RESULTS.exists():
         assert "bench-gpu-ratios.png" not in FIGURES
         assert "no GPU times are measured yet" in (DOCS / "benchmarks.md").read_text()
+
+
+# ------------------------------------------------------------------------------------- drawn for the column
+# The content column is about 690 px wide at a 1280 px window (tests/README.md, "Docs pages"): a wider image is
+# shown scaled down to it. Drawn for full-width pages (1144-1490 px), the figures' legends and value labels were
+# about 6 px high there; the body text is 16 px and code 13.6 px. bench/figures.py draws at twice the column's
+# width (a click opens the full size).
+COLUMN_PX = 690
+MAX_WIDTH_PX = 1400
+MIN_TEXT_PX = 12
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.size
+
+
+def test_every_figure_is_drawn_for_the_column():
+    too_wide = [f"{p.relative_to(ROOT)}: {_png_size(p)[0]} px" for p in sorted(IMAGES.glob("*.png"))
+                if _png_size(p)[0] > MAX_WIDTH_PX]
+    assert too_wide == [], f"figures wider than {MAX_WIDTH_PX} px (about twice the column):\n" + "\n".join(too_wide)
+
+
+def test_bench_figures_text_is_readable_in_the_column(tmp_path, monkeypatch):
+    """Every text of every figure bench/figures.py draws (titles, labels, ticks, legends, value labels) is at
+    least MIN_TEXT_PX high as the page shows it: its size at the figure's dpi, scaled to the column."""
+    import matplotlib.figure
+    import matplotlib.text
+
+    smallest: dict[str, tuple[float, str]] = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def measure(fig, path, *args, **kwargs):
+        fig.canvas.draw()   # the tick labels exist once drawn
+        dpi = kwargs.get("dpi", fig.dpi)
+        shown = min(1.0, COLUMN_PX / (fig.get_figwidth() * dpi))
+        texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+        smallest[Path(path).name] = min((t.get_fontsize() * dpi / 72 * shown, t.get_text()) for t in texts)
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", measure)
+    recorded = figures.records()
+    for name, figure in FIGURES.items():
+        figure.draw(recorded[name] if figure.tolerance is not None else figure.data(), tmp_path / name)
+    assert set(smallest) == set(FIGURES)
+    small = [f"{name}: {px:.1f} px ({text!r})" for name, (px, text) in smallest.items() if px < MIN_TEXT_PX]
+    assert small == [], f"texts under {MIN_TEXT_PX} px in the column:\n" + "\n".join(small)

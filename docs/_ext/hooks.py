@@ -10,6 +10,8 @@
 - In a table, a name in code may break only after a dot, an underscore, an opening parenthesis, a comma or an
   equals sign (`table_code_breaks`: a `<wbr>` there; docs/stylesheets/extra.css keeps words whole), so that
   `WeightDecay` or `contrib.schedule_free_adamw` never break mid-word.
+- A click on a figure opens its image at full size (`image_links`): the figures are drawn 1280 px wide and the
+  content column shows them at about half that.
 """
 
 from __future__ import annotations
@@ -113,6 +115,18 @@ def table_code_breaks(html: str) -> str:
     return TABLE.sub(lambda t: TABLE_CODE.sub(code, t.group(0)), html)
 
 
+IMAGE = re.compile(r"(<a\b[^>]*>\s*)?(<img\b[^>]*\bsrc=\"([^\"]+)\"[^>]*>)")
+
+
+def image_links(html: str) -> str:
+    """`html` with each image that is not in a link already wrapped in a link to its own file."""
+    def link(m: re.Match) -> str:
+        if m.group(1) or re.match(r"[a-z]+:", m.group(3)):   # in a link already; data: or another host
+            return m.group(0)
+        return f'<a class="image-link" href="{m.group(3)}">{m.group(2)}</a>'
+    return IMAGE.sub(link, html)
+
+
 def on_page_content(html, page, **kwargs):
-    return table_code_breaks(html)
+    return image_links(table_code_breaks(html))
 
