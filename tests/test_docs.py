@@ -175,6 +175,40 @@ def test_benchmarks_page_includes_the_results_file():
     assert bookkeeping(choosing) == []
 
 
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "_ext" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_wide_results_tables_are_split_with_their_first_column():
+    split = _hooks().split_wide_tables
+    row = lambda *cells: "| " + " | ".join(cells) + " |\n"
+    names = ["candidate", "step (ms)", "Mparam/s", "vs optax", "vs floor", "first call (s)", "peak RSS (MB)",
+             "first call vs optax", "RSS vs optax", "state"]
+    workload = row(*names) + row(*["---"] * 10) + row("optax", *map(str, range(9)))
+    assert split("text\n\n" + workload + "\nmore") == (
+        "text\n\n" + row(*names[:5]) + row(*["---"] * 5) + row("optax", "0", "1", "2", "3") + "\n"
+        + row(names[0], *names[5:]) + row(*["---"] * 6) + row("optax", "4", "5", "6", "7", "8") + "\nmore")
+    nine = row(*"abcdefghi") + row(*["---"] * 9)
+    assert split(nine) == row(*"abcde") + row(*["---"] * 5) + "\n" + row(*"afghi") + row(*["---"] * 5)
+    six = row(*"abcdef") + row(*["---"] * 6) + row(*"123456")
+    assert split(six) == six
+
+
+def test_benchmarks_page_counts_gpu_kernels_and_bytes_until_gpu_times_exist():
+    """Until `python -m bench.gpu` has run on a GPU (bench/GPU.json), the page shows what a GPU step launches and
+    moves, counted without a GPU (`python -m bench.kernels`), optim against optax."""
+    if (ROOT / "bench" / "GPU.json").exists():
+        pytest.skip("GPU times are measured: the page shows them")
+    page = (DOCS / "benchmarks.md").read_text()
+    assert "| step | kernels: optim / optax | MB: optim / optax | bytes a parameter: optim / optax / floor |" in page
+    assert "| Adam | 131 / 150 | 3109 / 3108 | 28.0 / 28.0 / 28.0 |" in page
+
+
 # ------------------------------------------------------------------------------------------ the built site
 # A user page says what was measured, on what, and the numbers: the repository's bookkeeping (the commit a result
 # measured, when and on how loaded a machine, which test file checks a claim, the project's issue numbers) stays in
@@ -270,7 +304,32 @@ def test_no_bookkeeping_on_user_pages(built_site):
     assert found == [], "bookkeeping on user pages (keep it in bench/*.md and CHANGELOG.md):\n" + "\n".join(found)
 
 
-# ------------------------------------------------------------------------------- the built site's figures
+# ------------------------------------------------------------------------------- the built site's layout
+# What a reader at a 1280 px window sees of each page, measured on the built HTML (tests/README.md, "Docs pages").
+# A table of more than MAX_TABLE_COLUMNS columns hides its right-hand columns behind a sideways scrollbar: the theme
+# gives each header cell at least 5rem, so 7 columns need 771 px where the column has 720 (Chromium);
+# docs/_ext/hooks.py splits the results tables.
+MAX_TABLE_COLUMNS = 6
+
+
+def table_columns(page_html: str) -> list[int]:
+    """The number of columns of each table of a page (the cells of its first row)."""
+    tables = re.findall(r"<table\b.*?</table>", page_html, re.S)
+    return [len(re.findall(r"<t[hd]\b", re.search(r"<tr\b.*?</tr>", t, re.S).group(0))) for t in tables]
+
+
+def test_no_table_on_a_built_page_has_more_columns_than_fit(built_site):
+    wide = [f"{p.relative_to(built_site)}: a table of {n} columns" for p in sorted(built_site.rglob("*.html"))
+            for n in table_columns(p.read_text()) if n > MAX_TABLE_COLUMNS]
+    assert wide == [], f"tables wider than {MAX_TABLE_COLUMNS} columns on the built site:\n" + "\n".join(wide)
+    assert max(table_columns((built_site / "benchmarks" / "index.html").read_text())) >= 5
+
+
+def test_the_table_check_counts_columns():
+    assert table_columns("<table><thead><tr><th>a</th><th>b</th></tr></thead><tr><td>1</td><td>2</td></tr>"
+                         "</table><p></p><table><tr><td>1</td></tr></table>") == [2, 1]
+
+
 def test_every_figure_on_a_built_page_opens_its_image(built_site):
     """The figures are drawn at twice the column's width: a click opens the image at full size
     (docs/_ext/hooks.py)."""

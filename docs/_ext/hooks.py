@@ -10,6 +10,8 @@
 - In a table, a name in code may break only after a dot, an underscore, an opening parenthesis, a comma or an
   equals sign (`table_code_breaks`: a `<wbr>` there; docs/stylesheets/extra.css keeps words whole), so that
   `WeightDecay` or `contrib.schedule_free_adamw` never break mid-word.
+- A table of bench results wider than MAX_COLUMNS is split in two, each with the first column (`split_wide_tables`):
+  wider, its right-hand columns would sit behind a sideways scrollbar in the content column.
 - A click on a figure opens its image at full size (`image_links`): the figures are drawn 1280 px wide and the
   content column shows them at about half that.
 """
@@ -40,7 +42,36 @@ def bench_results(text: str) -> str:
     head, *sections = re.split(r"^## ", text, flags=re.M)
     keep = [p for p in head.split("\n\n") if p.startswith(("Machine:", "Method:", "Candidates:"))]
     keep += ["## " + s.rstrip() for s in sections if s.startswith(BENCH_SECTIONS)]
-    return scrub("\n\n".join(keep))
+    return split_wide_tables(scrub("\n\n".join(keep)))
+
+
+# A results table wider than this is split: at a 1280 px window the content column is 720 px and the theme gives
+# each header cell at least 5rem, so 6 columns fit and 7 do not (771 px).
+MAX_COLUMNS = 6
+# Where a wide table splits, the first of these columns it has: a workload's table into the step time and the first
+# call and memory, the summary into the large matrices and the many small ones and the models. Another table splits
+# in half.
+SPLIT_BEFORE = ("first call (s)", "10000x1.6k")
+MD_TABLE = re.compile(r"^\|.*\|[ \t]*\n\|[ \t:|-]+\|[ \t]*\n(?:\|.*\|[ \t]*(?:\n|$))*", re.M)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def split_wide_tables(text: str, max_columns: int = MAX_COLUMNS) -> str:
+    """`text` (markdown) with each table of more than `max_columns` columns split in two (again while wider): both
+    start with the first column (what each row is), the second with the columns from the first of SPLIT_BEFORE the
+    table has, or from its middle."""
+    def split(m: re.Match) -> str:
+        rows = [_cells(line) for line in m.group(0).rstrip("\n").split("\n")]
+        if len(rows[0]) <= max_columns:
+            return m.group(0)
+        at = next((rows[0].index(c) for c in SPLIT_BEFORE if c in rows[0][2:]), (len(rows[0]) + 1) // 2)
+        parts = ["\n".join("| " + " | ".join(r[:1] + r[lo:hi]) + " |" for r in rows) + "\n"
+                 for lo, hi in ((1, at), (at, len(rows[0])))]
+        return "\n".join(split_wide_tables(p, max_columns) for p in parts)
+    return MD_TABLE.sub(split, text)
 
 
 _STAMP = r"measured \d{4}-\d\d-\d\d(?: \d\d:\d\d)?(?: UTC)?(?:, load average \d+(?:\.\d+)? -> \d+(?:\.\d+)?)?"
@@ -85,7 +116,7 @@ def bench_include(m: re.Match) -> str:
         if first is None or last is None:
             raise ValueError(f"{m['path']} has no section {m['section']!r} (its start and end markers)")
         text = "".join(lines[first + 1 : last])
-    return scrub(text).rstrip("\n")
+    return split_wide_tables(scrub(text)).rstrip("\n")
 
 
 def on_page_markdown(markdown, page, **kwargs):
