@@ -341,3 +341,97 @@ def test_every_figure_on_a_built_page_opens_its_image(built_site):
                 unlinked.append(f"{p.relative_to(built_site)}: {m[1]}")
     assert unlinked == [], "figures a click does not open:\n" + "\n".join(unlinked)
     assert "images/bench-cpu-ratios.png" in (built_site / "benchmarks" / "index.html").read_text()
+
+
+# A code line wider than MAX_CODE_COLUMNS is cut off at the column's right, wherever it comes from: the notebooks'
+# pages include notebooks/rendered/, the benchmarks page bench/'s results.
+PRE_BLOCK = re.compile(r"<pre\b[^>]*>(.*?)</pre>", re.S)
+# An ```output block: Pygments marks its lines .go (docs/stylesheets/extra.css wraps its long lines).
+OUTPUT_BLOCK = re.compile(r'^(?:<span></span>)?<code>\s*<span class="go">')
+# Code the site wraps rather than cuts off, each with why it keeps its width: the source listings of the API pages
+# (collapsed; the code's own lines, up to ruff's 120 columns) and the examples page's whole files (examples/*.py,
+# at the repository's 120 columns).
+WRAPPED_CODE = {
+    "mkdocstrings source listings": re.compile(r'<details class="mkdocstrings-source">.*?</details>', re.S),
+    "the examples page's whole files": re.compile(r'<div class="wrap-code"[^>]*>.*?</pre>', re.S),
+}
+
+
+def code_lines_over(page_html: str, columns: int) -> list[str]:
+    """The lines over `columns` characters of the page's code blocks, output blocks and WRAPPED_CODE left out."""
+    for pattern in WRAPPED_CODE.values():
+        page_html = pattern.sub("", page_html)
+    return [line for block in PRE_BLOCK.findall(page_html) if not OUTPUT_BLOCK.match(block)
+            for line in html_text(block).splitlines() if len(line) > columns]
+
+
+def test_no_code_line_on_a_built_page_is_wider_than_the_column(built_site):
+    wide = [f"{p.relative_to(built_site)}: {len(line)} > {MAX_CODE_COLUMNS}: {line.strip()[:60]}"
+            for p in sorted(built_site.rglob("*.html")) for line in code_lines_over(p.read_text(), MAX_CODE_COLUMNS)]
+    assert wide == [], "code lines wider than the code column on the built site:\n" + "\n".join(wide)
+
+
+def test_the_code_line_check_finds_what_it_should():
+    code = '<pre><span></span><code>{}</code></pre>'
+    assert code_lines_over(code.format("x" * 81), 80) == ["x" * 81]
+    assert code_lines_over(code.format("x" * 80 + "\n&lt;" + "y" * 79), 80) == []
+    assert code_lines_over(code.format('<span class="go">' + "x" * 90 + "</span>"), 80) == []
+    assert code_lines_over('<div class="wrap-code" markdown>' + code.format("x" * 90), 80) == []
+
+# What headless Chromium lays out at a 1280 px window: no table and no code block scrolls sideways, no code line
+# runs under a code block's copy button. Optional: skipped where Chromium is not installed (CI has none).
+LAYOUT_PAGES = ("index.html", "benchmarks/index.html", "concepts/ties/index.html", "concepts/internals/index.html",
+                "guides/low-memory/index.html", "notebooks/02_tied_weights/index.html", "api/rules/index.html")
+LAYOUT_SCRIPT = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const found = [];
+  document.querySelectorAll(".md-typeset__scrollwrap, .md-typeset__table").forEach(t => {
+    const head = [...t.querySelectorAll("th")].map(h => h.textContent).join(" | ").slice(0, 60);
+    if (t.scrollWidth > t.clientWidth + 1) found.push(`a table scrolls (${t.clientWidth} px): ${head}`);
+  });
+  document.querySelectorAll(".md-typeset pre > code").forEach(code => {
+    if (!code.clientWidth) return;   // not shown (a collapsed source listing)
+    const head = code.textContent.split("\\n")[0].slice(0, 40);
+    if (code.scrollWidth > code.clientWidth + 1) found.push(`code scrolls: ${head}`);
+    const nav = code.parentElement.querySelector(".md-code__nav");
+    if (!nav) return;
+    const b = nav.getBoundingClientRect(), range = document.createRange();
+    range.selectNodeContents(code);
+    for (const r of range.getClientRects())
+      if (r.width && r.bottom > b.top && r.top < b.bottom && r.right > b.left && r.left < b.right) {
+        found.push(`text under the copy button: ${head}`); break;
+      }
+  });
+  const out = document.createElement("pre");
+  out.id = "layout-check"; out.textContent = JSON.stringify(found);
+  document.body.appendChild(out);
+}, 500));
+</script>"""
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine")
+def test_layout_at_1280_px_in_chromium(built_site, tmp_path):
+    import html
+    import json
+    import shutil
+
+    site = tmp_path / "site"
+    shutil.copytree(built_site, site)
+    found = []
+    for name in LAYOUT_PAGES:
+        page = site / name
+        check = page.with_name("layout-check.html")
+        check.write_text(page.read_text().replace("</body>", LAYOUT_SCRIPT + "</body>"))
+        r = subprocess.run([_chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900",
+                            "--virtual-time-budget=5000", "--dump-dom", check.as_uri()],
+                           capture_output=True, text=True, timeout=120)
+        m = re.search(r'<pre id="layout-check">(.*?)</pre>', r.stdout, re.S)
+        assert m, f"{name}: Chromium gave no measurement:\n{r.stderr[-2000:]}"
+        found += [f"{name}: {f}" for f in json.loads(html.unescape(m[1]))]
+    assert found == [], "at a 1280 px window:\n" + "\n".join(found)

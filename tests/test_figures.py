@@ -140,7 +140,7 @@ def test_every_figure_bench_draws_is_shown_and_the_gpu_chart_waits_for_gpu_resul
 # The content column is about 690 px wide at a 1280 px window (tests/README.md, "Docs pages"): a wider image is
 # shown scaled down to it. Drawn for full-width pages (1144-1490 px), the figures' legends and value labels were
 # about 6 px high there; the body text is 16 px and code 13.6 px. bench/figures.py draws at twice the column's
-# width (a click opens the full size).
+# width (a click opens the full size), the notebooks at the column's width (the inline backend's 100 dpi).
 COLUMN_PX = 690
 MAX_WIDTH_PX = 1400
 MIN_TEXT_PX = 12
@@ -153,10 +153,14 @@ def _png_size(path: Path) -> tuple[int, int]:
         return im.size
 
 
-def test_every_figure_is_drawn_for_the_column():
-    too_wide = [f"{p.relative_to(ROOT)}: {_png_size(p)[0]} px" for p in sorted(IMAGES.glob("*.png"))
+def test_every_image_is_drawn_for_the_column():
+    too_wide = [f"{p.relative_to(ROOT)}: {_png_size(p)[0]} px" for p in sorted(IMAGES.rglob("*.png"))
                 if _png_size(p)[0] > MAX_WIDTH_PX]
-    assert too_wide == [], f"figures wider than {MAX_WIDTH_PX} px (about twice the column):\n" + "\n".join(too_wide)
+    assert too_wide == [], f"images wider than {MAX_WIDTH_PX} px (about twice the column):\n" + "\n".join(too_wide)
+    notebooks = [f"{p.name}: {_png_size(p)[0]} px" for p in sorted((IMAGES / "notebooks").glob("*.png"))
+                 if _png_size(p)[0] > COLUMN_PX]
+    assert notebooks == [], "notebook figures wider than the column (one panel a row, figsize 6.4 in or less):\n" \
+        + "\n".join(notebooks)
 
 
 def test_bench_figures_text_is_readable_in_the_column(tmp_path, monkeypatch):

@@ -51,6 +51,16 @@ def test_notebooks_exist():
         assert want in names
 
 
+def test_code_cells_fit_the_docs_column():
+    """The notebooks' pages show their code in the docs' code column, 80 characters at a 1280 px window
+    (tests/test_docs.py's MAX_CODE_COLUMNS); wider, a line is cut off. Formatted with `ruff format --line-length 80`;
+    a comment too long is continued on a line of its own, with its `#`."""
+    wide = [f"{path.name}, cell {k}: {len(line)} > 80: {line.strip()[:50]}..."
+            for path in PATHS for k, cell in enumerate(nbformat.read(path, as_version=4).cells)
+            if cell.cell_type == "code" for line in cell.source.splitlines() if len(line) > 80]
+    assert wide == [], "notebook code lines wider than the docs' code column:\n" + "\n".join(wide)
+
+
 def test_every_notebook_has_a_page_in_the_site():
     nav = (ROOT / "mkdocs.yml").read_text()
     for path in PATHS:

@@ -10,8 +10,8 @@ here) and writes what a reader of the site sees:
 - docs/images/notebooks/NAME-K.png: the K-th figure the notebook drew.
 - notebooks/rendered/NAME.json: per figure, its PNG's SHA-256 and what it draws (`figure_data`: titles, labels,
   legends and each array drawn), which the kernel gives beside each PNG (STARTUP).
-- docs/notebooks/NAME.md: the page, which includes notebooks/rendered/NAME.md (snippets) with its code wrapped,
-  like the examples page's whole files (the notebooks' lines are wider than the docs' code column).
+- docs/notebooks/NAME.md: the page, which includes notebooks/rendered/NAME.md (snippets). The notebooks' code is
+  formatted to the docs' code column (`ruff format --line-length 80`; tests/test_notebooks.py checks the width).
 
 The rendered files are committed: running the notebooks takes ~50 s on 2 cores, too slow for every `mkdocs build`
 (and it would need the test extra's Jupyter packages in a docs-only install). tests/test_notebooks.py, which runs
@@ -227,11 +227,8 @@ INSTALL_NOTE = """!!! note "This page is a notebook"
 """
 
 PAGE = """<!-- Written by docs/_ext/notebooks.py from notebooks/{name}.ipynb: run it again rather than editing this. -->
-<div class="wrap-code" markdown>
 
 --8<-- "notebooks/rendered/{name}.md"
-
-</div>
 """
 
 
