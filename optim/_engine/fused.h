@@ -70,10 +70,12 @@ struct QWork {
   int32_t shift[2], top[2];            // per map (m, v): see fused_quantized.inc's QMap
   uint32_t base[2];
   float half_smallest;                 // the signed map's
-  const float *x, *g, *ms, *vs;
-  const uint8_t *mc, *vc;
-  float *xo, *mso, *vso;
-  uint8_t *mco, *vco;
+  float* x;                            // the parameter: updated in place
+  const float* g;
+  const uint8_t *mc, *vc;              // the codes and scales, old
+  const float *ms, *vs;
+  uint8_t *mco, *vco;                  // new (may be the old ones' buffers)
+  float *mso, *vso;
 };
 
 // The build of the element loops that runs (fused.cc): 0 baseline, 1 AVX2, 2 AVX-512.

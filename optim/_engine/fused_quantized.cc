@@ -3,14 +3,15 @@
 //
 // XLA:CPU stores a blockwise-quantised moment in several passes over the parameter: the moments dequantised and
 // stepped, each block's maximum, then the codes, with float32 moments written between them. This call reads
-// each block once (parameter, gradient, codes, scales) and writes it once (parameter, codes, scales); blocks are
-// split into chunks run on XLA's intra-op thread pool, as the fused kernel's elements are (fused.cc).
+// each block once (parameter, gradient, codes, scales) and writes it once (parameter, codes, scales); blocks
+// are split into chunks run on XLA's intra-op thread pool, as the fused kernel's elements are (fused.cc).
 //
 // Operands: `scalars` (7,) float32: lr, b1, b2, eps, c1, c2 (the bias corrections 1/(1 - b^t)), wd; the
 // parameter x and its gradient g (float32, blocks x block numbers), the first moment's codes (uint8, blocks x
 // block * bits / 8) and scales (float32, blocks), the second moment's. Results: x, the codes and the scales,
-// new: aliased to their operands (updated in place) when the caller donates. Attributes: `kind` (Adam, AdamW
-// coupled or decoupled, as fused.h's kinds), `bits` (8 or 4), `mantissa` (the code maps' mantissa bits, per
+// new, in their operands' buffers (onepass aliases them) or in buffers of their own (a block's codes are read
+// before they are written). Attributes: `kind` (Adam, AdamW coupled or decoupled, as
+// fused.h's kinds), `bits` (8 or 4), `mantissa` (the code maps' mantissa bits, per
 // optim._rules.quantized.MANTISSA).
 
 #include "fused.h"
@@ -68,17 +69,19 @@ ffi::Future AdamQuantized(ffi::ThreadPool pool, F32 scalars, F32 x, F32 g, U8 mc
   std::memcpy(w->scalars, scalars.typed_data(), sizeof(w->scalars));
   MapOf(*w, 0, bits, mantissa, true);
   MapOf(*w, 1, bits, mantissa, false);
-  w->x = x.typed_data();
+  // The new parameter is the old one's buffer (onepass aliases them; XLA copies an operand that is not
+  // donated): stepped in place. A caller's separate result gets the operand first.
+  if (x.typed_data() != xo->typed_data()) std::memcpy(xo->typed_data(), x.typed_data(), n * sizeof(float));
+  w->x = xo->typed_data();
   w->g = g.typed_data();
-  w->ms = ms.typed_data();
-  w->vs = vs.typed_data();
   w->mc = mc.typed_data();
   w->vc = vc.typed_data();
-  w->xo = xo->typed_data();
-  w->mso = mso->typed_data();
-  w->vso = vso->typed_data();
+  w->ms = ms.typed_data();
+  w->vs = vs.typed_data();
   w->mco = mco->typed_data();
   w->vco = vco->typed_data();
+  w->mso = mso->typed_data();
+  w->vso = vso->typed_data();
   ffi::Promise done;
   ffi::Future future(done);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

@@ -155,15 +155,21 @@ def _on_cpu_kernel(fmt: Quantized) -> bool:
 
 
 def _cpu_kernel(x, g, mc, ms, vc, vs, s, *, adamw: bool, couple: bool, fm: Quantized, fv: Quantized):
-    """The step as the fused CPU kernel's custom call, its buffers updated in place (see `reference`)."""
+    """The step as the fused CPU kernel's custom call, in place (see `reference`)."""
     kind = 0 if not adamw else 1 if couple else 2      # fused.h's kAdam, kAdamWCoupled, kAdamWDecoupled
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)     # noqa: E731
     # fused_quantized.cc reads the scalars as fused_loops.inc's rows: lr, b1, b2, eps, c1, c2, wd.
     b1, b2, c1, c2, eps, lr, wd = (s[i] for i in range(7))
-    call = jax.ffi.ffi_call(fused_load.QUANTIZED, [like(x), like(mc), like(ms), like(vc), like(vs)],
+    # Updated in place (aliased). The codes and scales take a leading axis of 1 back: they come from the state's
+    # stack of one through a squeeze (`_batch`), which XLA folds with this reshape, so the call reads and writes
+    # the stack's own buffers; an aliased operand that is a reshape of the program's parameter, XLA:CPU copies
+    # in and out.
+    up = lambda a: a[None]      # noqa: E731
+    call = jax.ffi.ffi_call(fused_load.QUANTIZED, [like(x), *(like(up(a)) for a in (mc, ms, vc, vs))],
                             input_output_aliases={1: 0, 3: 1, 4: 2, 5: 3, 6: 4})
-    return tuple(call(jnp.stack([lr, b1, b2, eps, c1, c2, wd]), x, g, mc, ms, vc, vs, kind=np.int64(kind),
-                      bits=np.int64(fm.bits), mantissa=np.int64(MANTISSA[fm.bits, True])))
+    out = call(jnp.stack([lr, b1, b2, eps, c1, c2, wd]), x, g, up(mc), up(ms), up(vc), up(vs), kind=np.int64(kind),
+               bits=np.int64(fm.bits), mantissa=np.int64(MANTISSA[fm.bits, True]))
+    return (out[0], *(o[0] for o in out[1:]))
 
 
 # ------------------------------------------------------------------------------------------------ primitive
