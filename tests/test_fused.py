@@ -554,6 +554,7 @@ for name, rule in rules.items():
 quantised = {
     "adamw q8": optim.AdamW(0.01, weight_decay=0.1, mu_dtype=optim.q8, nu_dtype=optim.q8),
     "adam q4": optim.Adam(0.01, mu_dtype=optim.q4, nu_dtype=optim.q4),
+    "clip adamw q8": optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(0.01, mu_dtype=optim.q8, nu_dtype=optim.q8)),
     "adamw uncoupled q4": optim.AdamW(0.01, weight_decay=0.1, couple=False, mu_dtype=optim.q4, nu_dtype=optim.q4),
 }
 for name, rule in quantised.items():

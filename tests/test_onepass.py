@@ -26,6 +26,7 @@ RULES = {
     "Adam q4": lambda: optim.Adam(1e-2, **Q4),
     "AdamW q4": lambda: optim.AdamW(1e-2, weight_decay=0.3, **Q4),
     "AdamW q4 block 64": lambda: optim.AdamW(1e-2, mu_dtype=optim.Quantized(4, 64), nu_dtype=optim.Quantized(4, 64)),
+    "ClipGlobalNorm, AdamW": lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-2, weight_decay=0.3, **Q8)),
 }
 Q96 = optim.Quantized(8, 96)    # not a power of 2: no Triton block of it, XLA's path
 
@@ -112,6 +113,17 @@ def test_cpu_kernel_against_xla_s_path(monkeypatch, name):
 
 
 @pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")
+def test_cpu_kernel_steps_parameters_of_one_shape_each_alone(monkeypatch):
+    """With the fused kernel on, `setup` stacks the large parameters of the rules it runs; not those of a rule with
+    quantised moments, which it refuses: each takes its own call instead of XLA's code on a stack."""
+    monkeypatch.setattr(onepass, "ENABLED", True)
+    params = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 256)) for i in range(4)}
+    state = optim.setup(RULES["ClipGlobalNorm, AdamW"](), params)
+    lowered = jax.jit(lambda s, m, g: optim.update(s, m, g)).lower(state, params, params).as_text()
+    assert lowered.count("custom_call @optim_adam_quantized") == 4
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")
 def test_cpu_kernel_copies_nothing(monkeypatch):
     """Donated, the step copies no array: the parameter, the codes and the scales are updated in their own
     buffers (reached through the state stack's squeeze, they would be copied in and out by XLA:CPU)."""
@@ -157,6 +169,8 @@ def _refusal(rule, params, grads, caplog, *extra):
 
 @pytest.mark.parametrize("rule, why", [
     (optim.NAdam(1e-3, **Q8), "its rule is not Adam or AdamW"),
+    (optim.chain(optim.Scale(0.5), optim.Adam(1e-3, **Q8)), "its rule is not Adam or AdamW"),
+    (optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-3, **Q8), optim.Scale(0.5)), "its rule is not Adam"),
     (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.q4), "not both stored in one Quantized format"),
     (optim.Adam(1e-3, mu_dtype=optim.q8), "not both stored in one Quantized format"),
     (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "not both stored in one Quantized format"),

@@ -56,6 +56,7 @@ from .pack import assemble, is_packed
 from .stack import KERNEL_FLOATS, row_index, traced_sharded
 from .._rules.average import EMA
 from .._rules.protocol import Gated, apply_all, formula_of
+from .._rules.quantized import Quantized
 from .._rules.transforms import Scale
 from .backend import only_cpu
 from .strategies import Request, Result, Strategy, register, switch
@@ -282,7 +283,10 @@ class Kernel(Strategy):
 
     def wide(self, rule: Any) -> bool:
         # Only where it will run: a process with another backend keeps XLA's stacking (one parameter a stack).
-        return only_cpu() and _peel(rule) is not None
+        # Nor with quantised moments, which it refuses: XLA:CPU steps a stack of them several times slower than its
+        # members one by one, and OnePass (optim._engine.onepass) takes a parameter only alone in its stack.
+        plan = _peel(rule)
+        return only_cpu() and plan is not None and not any(isinstance(v, Quantized) for v in vars(plan.core).values())
 
     def refuse(self, request: Request) -> str | None:
         """Why the kernel cannot run `request` (None: it can): its rule, stacks, dtypes and placements."""

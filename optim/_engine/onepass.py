@@ -9,8 +9,9 @@ parameter, the codes and the scales; one launch per parameter, at the floor of b
 (`bench/NOTES.md`, "The one-pass quantised kernel"). With 4-bit codes (two a byte) the even and the odd numbers
 of a block step as two strided parts.
 
-It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes) whose
-`mu_dtype` and `nu_dtype` are one `Quantized` format (`q8`, `q4`, or another block size), with one gradient
+It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes, alone or
+after `ClipGlobalNorm` in a chain, whose clipped gradient XLA computes) whose `mu_dtype` and `nu_dtype` are one
+`Quantized` format (`q8`, `q4`, or another block size), with one gradient
 tree. It runs XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at
 least `Quantized.min_size` numbers), float32, a whole number of blocks (of a power of 2 numbers: Triton's
 shapes) and alone in its stack (large parameters are: optim._engine.group), by a call of the primitive
@@ -50,8 +51,9 @@ from . import fused, fused_load, xla
 from .strategies import Request, Result, Strategy, register, switch
 from .._rules.adam import Adam, AdamState, AdamW
 from .._rules.moments import bt_next, debias
-from .._rules.protocol import Replace, abs2, as_compute, eps_of, pair_of
+from .._rules.protocol import Replace, abs2, apply_all, as_compute, eps_of, formula_of, pair_of
 from .._rules.quantized import MANTISSA, Quantized, QuantizedArray, _decode, _encode
+from .._rules.wrappers import OptimiserChain
 
 __all__ = ["ENABLED", "INTERPRET", "OnePass", "ONE_PASS", "onepass_p", "reference"]
 
@@ -268,14 +270,37 @@ class _OnePassAdamW(AdamW):
     apply = _apply
 
 
+class _OnePassChain(OptimiserChain):
+    """A chain whose last stage is a one-pass Adam: that stage returns the new parameter (a `Replace`), which an
+    `OptimiserChain` refuses from its stages (a later stage could not step from it; here none follows)."""
+
+    def apply_tree(self, states, xs, dxs):
+        head_states, steps = OptimiserChain(*self.rules[:-1]).apply_tree([s[:-1] for s in states], xs, dxs)
+        last_states, new = apply_all(self.rules[-1], [s[-1] for s in states], xs,
+                                     [(step, *d[1:]) for step, d in zip(steps, dxs)])
+        return [(*h, s) for h, s in zip(head_states, last_states)], new
+
+
 _SUBSTITUTE = {Adam: _OnePassAdam, AdamW: _OnePassAdamW}
 
 
+def _core(rule: Any) -> Any:
+    """The `Adam` or `AdamW` that steps the parameters: `rule` itself, or the last stage of a chain whose only
+    other stage is a clip (`ClipGlobalNorm`, as the fused kernel's chains); None for any other rule."""
+    if type(rule) is OptimiserChain and len(rule.rules) in (1, 2) and (
+            len(rule.rules) == 1 or formula_of(rule.rules[0]) == "clip"):
+        rule = rule.rules[-1]
+    return rule if type(rule) in _SUBSTITUTE else None
+
+
 def _substitute(rule: Any) -> Any:
-    """`rule` (an `Adam` or `AdamW`) as its one-pass class, with the same fields."""
-    new = object.__new__(_SUBSTITUTE[type(rule)])
+    """`rule` (an `Adam` or `AdamW`, or a chain ending in one: `_core`) with its one-pass class, same fields."""
+    chain = type(rule) is OptimiserChain
+    new = object.__new__(_OnePassChain if chain else _SUBSTITUTE[type(rule)])
     for f in dataclasses.fields(rule):
         object.__setattr__(new, f.name, getattr(rule, f.name))
+    if chain:
+        object.__setattr__(new, "rules", (*rule.rules[:-1], _substitute(rule.rules[-1])))
     return new
 
 
@@ -291,11 +316,11 @@ class OnePass(Strategy):
         return False
 
     def refuse(self, request: Request) -> str | None:
-        rule = request.rule
+        rule = _core(request.rule)
         if not self.enabled():
             return "turned off (OPTIM_ONEPASS=0)"
-        if type(rule) not in _SUBSTITUTE:
-            return "its rule is not Adam or AdamW"
+        if rule is None:
+            return "its rule is not Adam or AdamW (alone or after ClipGlobalNorm)"
         fm, fv = rule.mu_dtype, rule.nu_dtype
         if not (isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm == fv):
             return "its moments are not both stored in one Quantized format"
