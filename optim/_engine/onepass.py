@@ -11,13 +11,12 @@ of a block step as two strided parts.
 
 It is a strategy (`OnePass`, optim._engine.strategies) for `Adam` and `AdamW` (exactly those classes, alone or
 after `ClipGlobalNorm` in a chain, whose clipped gradient XLA computes) whose `mu_dtype` and `nu_dtype` are one
-`Quantized` format (`q8`, `q4`, or another block size), with one gradient
-tree. It runs XLA's path with the rule's `apply` replaced, for each parameter whose moments are quantised (at
-least `Quantized.min_size` numbers), float32, a whole number of blocks (of a power of 2 numbers: Triton's
-shapes) and alone in its stack (large parameters are: optim._engine.group), by a call of the primitive
-`onepass_p`, which returns the new parameter (a `Replace` step) and its codes; every other parameter takes the
-rule's own step. The bias corrections and every small value are computed as XLA's path computes them
-(optim._engine.hoist).
+`Quantized` format (`q8`, `q4`, or another block size), with one gradient tree. It runs XLA's path with the rule's
+`apply` replaced, for each parameter whose moments are quantised (at least `Quantized.min_size` numbers), float32,
+a whole number of blocks (of a power of 2 numbers: Triton's shapes) and alone in its stack (large parameters are:
+optim._engine.group), by a call of the primitive `onepass_p`, which returns the new parameter (a `Replace` step)
+and its codes; every other parameter takes the rule's own step. The bias corrections and every small value are
+computed as XLA's path computes them (optim._engine.hoist).
 
 The choice of code is made when the program is lowered, as the fused CPU kernel's (optim._engine.kernel_choice):
 lowered for CUDA on one device, the Pallas kernel (Triton); for one CPU device, where the fused CPU kernel is
