@@ -60,6 +60,19 @@ def _leaves(tree):
     return [np.asarray(a) for a in jax.tree.leaves(tree)]
 
 
+def _assert_near(got, want):
+    """A kernel's (state, params) against XLA's path's: parameters within a few float32 ulp (XLA may contract a
+    product and a sum, a kernel compiled otherwise may not), codes within one code."""
+    (s1, p1), (s0, p0) = got, want
+    for k in p0:
+        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+    for a, b in zip(_leaves(s1), _leaves(s0)):
+        if a.dtype == np.uint8:
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_cpu_lowering_is_xla_s_path_bitwise(monkeypatch, name):
     """Without the fused CPU kernel the primitive lowers to `reference`: XLA's own operations, the same bits."""
@@ -80,13 +93,7 @@ def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
     (s1, p1) = _train(monkeypatch, RULES[name](), enabled=True, interpret=True)
     (s0, p0) = _train(monkeypatch, RULES[name](), enabled=False)
     assert len(calls) == 2          # w and r, traced once
-    for k in p0:
-        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-6, atol=1e-7)
-    for a, b in zip(_leaves(s1), _leaves(s0)):
-        if a.dtype == np.uint8:
-            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+    _assert_near((s1, p1), (s0, p0))
 
 
 @pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")
@@ -103,13 +110,7 @@ def test_cpu_kernel_against_xla_s_path(monkeypatch, name):
     assert lowered.count("custom_call @optim_adam_quantized") == 2       # w and r; u and b on XLA's path
     (s1, p1) = _train(monkeypatch, RULES[name](), enabled=True, none_at=2)
     (s0, p0) = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
-    for k in p0:
-        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-6, atol=1e-7)
-    for a, b in zip(_leaves(s1), _leaves(s0)):
-        if a.dtype == np.uint8:
-            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+    _assert_near((s1, p1), (s0, p0))
 
 
 @pytest.mark.skipif(not fused.AVAILABLE, reason="the fused CPU kernel is not built")

@@ -138,6 +138,20 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
                  same)
 
 
+def _split_cached(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list, x: Any, dxs: tuple,
+                  rows: int, rule_avals: tuple) -> Split | None:
+    """`_split`, kept in _SPLITS by everything it reads: the rule's structure and hyperparameters' avals, the
+    state's structure, the avals, and the switches (a step may trace differently under another:
+    optim._engine.onepass reads fused's)."""
+    key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), (*wides, x, *dxs), rule_avals,
+           strategies.key())
+    sp = _SPLITS.get(key)
+    if sp is None:
+        sp = _split(rule, state_def, small_at, smalls, wides, x, dxs, rows)
+        _SPLITS[key] = sp if sp is not None else False
+    return sp or None
+
+
 def _stored_form(stored: Any, wides: list) -> Any:
     """`stored` (a stack's stored tree) with its array leaves replaced by `wides`, placeholders kept."""
     leaves, treedef = jax.tree_util.tree_flatten(stored, is_leaf=is_packed)
@@ -179,15 +193,8 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         group = holders[0].group
         smalls = [jax.ShapeDtypeStruct((m,) + np.shape(packs[group][h.leaf])[1:], packs[group][h.leaf].dtype)
                   for h in holders]
-        big = [_aval(a) for a in wides + [xs[i], *dxs[i]]]
-        # The switches too: a step may trace differently under another (optim._engine.onepass reads fused's).
-        key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), tuple(big), rule_avals,
-               strategies.key())
-        sp = _SPLITS.get(key)
-        if sp is None:
-            sp = _split(rule, state_def, small_at, smalls, big[:len(wides)], big[len(wides)],
-                        tuple(big[len(wides) + 1:]), m)
-            _SPLITS[key] = sp if sp is not None else False
+        sp = _split_cached(rule, state_def, small_at, smalls, [_aval(a) for a in wides], _aval(xs[i]),
+                           tuple(_aval(d) for d in dxs[i]), m, rule_avals)
         if not sp or not sp.same_structure:
             continue         # nothing to hoist, or a new state of another structure: not ours to rearrange
         in_pack = tuple(holders[0].start + r for r in rows[i])
