@@ -104,8 +104,6 @@ void RunRange(const Work& w, const Runner* run, int64_t lo, int64_t hi) {
 
 bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
-constexpr int64_t kChunk = 1 << 16;   // elements per task: ~1 MB of traffic, far above a task's scheduling cost
-
 using Scalars = ffi::Buffer<ffi::F32, 2>;
 
 // Checks the call's operands against its attributes and fills `w` (pointers, sizes) and `bf16` (whether the
@@ -234,31 +232,15 @@ bool InPlace(Work& w, const ffi::RemainingArgs& args) {
   return true;
 }
 
-// Runs the members' elements in `tasks` equal ranges: tasks - 1 on the pool and one here; the last to finish
-// completes the returned future (no thread waits for another).
+// Runs the members' elements in equal ranges on the pool (`Spread`).
 ffi::Future Launch(ffi::ThreadPool& pool, std::shared_ptr<Work> w, const Runner run[2]) {
   const int64_t total = int64_t(w->x_in.size()) * w->n;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tasks = std::min<int64_t>(threads, (total + kChunk - 1) / kChunk);
-  ffi::Promise done;
-  ffi::Future future(done);       // made first: a promise makes one future, before anything else holds it
-  if (tasks <= 1) {
-    RunRange(*w, run, 0, total);
-    done.SetAvailable();
-    return future;
-  }
-  ffi::CountDownPromise count(done, tasks);
-  for (int64_t t = 1; t < tasks; ++t) {
-    const int64_t lo = total * t / tasks, hi = total * (t + 1) / tasks;
-    pool.Schedule([w, run0 = run[0], run1 = run[1], lo, hi, count]() mutable {
-      const Runner runs[2] = {run0, run1};
-      RunRange(*w, runs, lo, hi);
-      count.CountDown();
-    });
-  }
-  RunRange(*w, run, 0, total / tasks);
-  count.CountDown();
-  return future;
+  return Spread(pool, total, tasks, [w, run0 = run[0], run1 = run[1]](int64_t lo, int64_t hi) {
+    const Runner runs[2] = {run0, run1};
+    RunRange(*w, runs, lo, hi);
+  });
 }
 
 ffi::Future Fused(ffi::ThreadPool pool, Scalars scalars, ffi::RemainingArgs args, ffi::RemainingRets rets,

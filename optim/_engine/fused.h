@@ -61,6 +61,32 @@ struct Work {
 
 using Runner = void (*)(const Work&, int64_t, int64_t, int64_t);
 
+constexpr int64_t kChunk = 1 << 16;   // elements per task: ~1 MB of traffic, far above a task's scheduling cost
+
+// Runs `range(lo, hi)` over [0, total) in `tasks` equal ranges: tasks - 1 on the pool and one here; the last to
+// finish completes the returned future (no thread waits for another).
+template <typename Range>
+ffi::Future Spread(ffi::ThreadPool& pool, int64_t total, int64_t tasks, Range range) {
+  ffi::Promise done;
+  ffi::Future future(done);       // made first: a promise makes one future, before anything else holds it
+  if (tasks <= 1) {
+    range(int64_t(0), total);
+    done.SetAvailable();
+    return future;
+  }
+  ffi::CountDownPromise count(done, tasks);
+  for (int64_t t = 1; t < tasks; ++t) {
+    const int64_t lo = total * t / tasks, hi = total * (t + 1) / tasks;
+    pool.Schedule([range, lo, hi, count]() mutable {
+      range(lo, hi);
+      count.CountDown();
+    });
+  }
+  range(int64_t(0), total / tasks);
+  count.CountDown();
+  return future;
+}
+
 // One call of the one-pass quantised Adam step (fused_quantized.cc): a float32 parameter of whole blocks, its
 // gradient, and its two moments as codes and scales (the first on the signed map, the second on the unsigned).
 constexpr int64_t kMaxQBlock = 4096;   // numbers a block holds at most here (its moments are kept on the stack)

@@ -39,8 +39,6 @@ void Blocks(const QWork& w, int64_t lo, int64_t hi) {
   base::QuantizedBlocks(w, lo, hi);
 }
 
-constexpr int64_t kChunkNumbers = 1 << 16;   // numbers per task, as the fused kernel's chunks
-
 ffi::Future Error(const char* what) {
   ffi::Promise p;
   ffi::Future f(p);
@@ -82,26 +80,9 @@ ffi::Future AdamQuantized(ffi::ThreadPool pool, F32 scalars, F32 x, F32 g, U8 mc
   w->vco = vco->typed_data();
   w->mso = mso->typed_data();
   w->vso = vso->typed_data();
-  ffi::Promise done;
-  ffi::Future future(done);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kChunkNumbers));
-  if (tasks <= 1) {
-    Blocks(*w, 0, nb);
-    done.SetAvailable();
-    return future;
-  }
-  ffi::CountDownPromise count(done, tasks);
-  for (int64_t t = 1; t < tasks; ++t) {
-    const int64_t lo = nb * t / tasks, hi = nb * (t + 1) / tasks;
-    pool.Schedule([w, lo, hi, count]() mutable {
-      Blocks(*w, lo, hi);
-      count.CountDown();
-    });
-  }
-  Blocks(*w, 0, nb / tasks);
-  count.CountDown();
-  return future;
+  const int64_t tasks = std::min<int64_t>(threads, n / kChunk);
+  return Spread(pool, nb, tasks, [w](int64_t lo, int64_t hi) { Blocks(*w, lo, hi); });
 }
 
 }  // namespace optim_kernel
