@@ -172,9 +172,9 @@ def _refusal(rule, params, grads, caplog, *extra):
     (optim.NAdam(1e-3, **Q8), "its rule is not Adam or AdamW"),
     (optim.chain(optim.Scale(0.5), optim.Adam(1e-3, **Q8)), "its rule is not Adam or AdamW"),
     (optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-3, **Q8), optim.Scale(0.5)), "its rule is not Adam"),
-    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.q4), "not both stored in one Quantized format"),
-    (optim.Adam(1e-3, mu_dtype=optim.q8), "not both stored in one Quantized format"),
-    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "not both stored in one Quantized format"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.q4), "neither in one Quantized format"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8), "neither in one Quantized format"),
+    (optim.Adam(1e-3, mu_dtype=optim.q8, nu_dtype=optim.Quantized(8, 128)), "neither in one Quantized format"),
 ])
 def test_refusals(caplog, rule, why):
     params = {"w": jnp.ones((64, 256))}

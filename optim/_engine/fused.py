@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import fused_kinds as kinds, fused_load, xla as xla
+from . import fused_kinds as kinds, fused_load, strategies, xla as xla
 from .kernel_choice import kernel_or_xla
 from .pack import assemble, is_packed
 from .stack import KERNEL_FLOATS, row_index, traced_sharded
@@ -352,8 +352,10 @@ class Kernel(Strategy):
                                   mirrors=None)
 
         def on_xla(hypers, stored, packs, xs, gs, parts, ms):
-            return tuple(xla.XLA.run(static._replace(rule=treedef.unflatten(hypers), stored=stored, packs=packs,
-                                                     params=xs, grads=gs, parts=parts, mirrors=ms)))
+            # Elsewhere the strategies after this one (a GPU's one-pass group kernel, optim._engine.multitensor),
+            # else XLA's path.
+            return tuple(strategies.run(static._replace(rule=treedef.unflatten(hypers), stored=stored, packs=packs,
+                                                     params=xs, grads=gs, parts=parts, mirrors=ms), after=KERNEL))
 
         def on_kernel(hypers, stored, packs, xs, gs, parts, ms):
             new_stored, new_params, written, new_ms = kernel_calls(

@@ -19,7 +19,8 @@ arithmetic on the same values, rearranged. Two exceptions keep XLA writing in pl
 - a conditional on the platform (`jax.lax.platform_dependent`, `SkipNonFinite`'s skip) is replayed branch by
   branch, so that a step inside it is still computed per member.
 
-Where nothing depends on a parameter, `fn`'s program is kept as it is.
+A primitive with a member-wise form of its own (`MEMBERWISE`: a group's one-pass kernel) is given the members'
+arrays. Where nothing depends on a parameter, `fn`'s program is kept as it is.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jax.extend.core import Literal
 from .jaxpr_deps import output_deps
 from .pack import is_packed
 
-__all__ = ["evaluate", "needed", "ELEMENTWISE", "CALLS"]
+__all__ = ["evaluate", "needed", "ELEMENTWISE", "CALLS", "MEMBERWISE"]
 
 # Primitives that compute each output element from the same element of each operand (0-d operands broadcast).
 ELEMENTWISE = frozenset("""
@@ -42,6 +43,9 @@ ELEMENTWISE = frozenset("""
     reduce_precision rem round rsqrt select_n sign sin sqrt square sub tan tanh xor
 """.split())
 CALLS = ("pjit", "jit", "closed_call", "core_call")
+# Primitives that have a member-wise form of their own (name -> `fn(ins, **params) -> outs`, `_Value`s in and
+# out): a group's one-pass kernel (optim._engine.multitensor) reads each member's arrays where they are.
+MEMBERWISE: dict[str, Callable] = {}
 
 
 def evaluate(fn: Callable[[list], Any], stacked: list, members: list) -> tuple:
@@ -133,6 +137,10 @@ def _eval(jaxpr: Any, consts: list, args: list, steps: list) -> list:
             shapes = {want: n for n, want in per}
             for v, o in zip(e.outvars, _eval_platform_cond(e, platform[e.invars[0]], ins[1:], shapes,
                                                            [v in for_steps for v in e.outvars])):
+                env[v] = o
+            continue
+        if per and name in MEMBERWISE:
+            for v, o in zip(e.outvars, MEMBERWISE[name](ins, **e.params)):
                 env[v] = o
             continue
         if len(per) == 1:

@@ -46,11 +46,12 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from . import fused, fused_load, xla
+from . import fused, fused_load, multitensor, xla
+from .stack import STACK_MAX_SIZE
 from .strategies import Request, Result, Strategy, register, switch
 from .._rules.adam import Adam, AdamState, AdamW
 from .._rules.moments import bt_next, debias
-from .._rules.protocol import Replace, abs2, apply_all, as_compute, eps_of, formula_of, pair_of
+from .._rules.protocol import Replace, abs2, apply_all, as_compute, compute_dtype, eps_of, formula_of, pair_of
 from .._rules.quantized import MANTISSA, Quantized, QuantizedArray, _decode, _encode
 from .._rules.wrappers import OptimiserChain
 
@@ -243,10 +244,19 @@ def _fits(x, dx, mu, nu) -> bool:
             and tuple(mu.codes.shape) == (x.size // mu.fmt.block, mu.fmt.block * mu.fmt.bits // 8))
 
 
-def _apply(self, state, x, dx, *dxs):
-    """Adam's or AdamW's `apply` (optim._rules.adam) with the large arithmetic in `onepass`."""
+def _float32(x, dx, mu, nu) -> bool:
+    return all(isinstance(a, jax.Array) and jnp.dtype(a.dtype) == jnp.float32 for a in (x, dx, mu, nu))
+
+
+def _apply(self, state, x, dx, *dxs, scale=None):
+    """Adam's or AdamW's `apply` (optim._rules.adam) with the large arithmetic in `onepass` (quantised moments)
+    or `multitensor.adam` (float32 moments: a group's one pass). `scale`: a factor of the gradient
+    (`ClipGlobalNorm`'s, `_OnePassChain`), which the float32 step multiplies in itself."""
     mu, nu = state[0], state[1]
-    if not _fits(x, dx, mu, nu):
+    f32 = _float32(x, dx, mu, nu)
+    if scale is not None and not f32:
+        dx = dx * scale.astype(compute_dtype(dx))       # as ClipGlobalNorm's own step
+    if not f32 and not _fits(x, dx, mu, nu):
         return type(self).__mro__[1].apply(self, state, x, dx, *dxs)
     bt = bt_next(state[2], self.beta, x)
     c1, c2 = debias(bt)
@@ -254,8 +264,13 @@ def _apply(self, state, x, dx, *dxs):
     adamw = isinstance(self, AdamW)
     wd = as_compute(self.weight_decay, x) if adamw else jnp.zeros((), jnp.float32)
     s = jnp.stack([b1, b2, c1, c2, eps_of(self.eps, x), as_compute(self.lr, x), wd]).astype(jnp.float32)
+    couple = bool(getattr(self, "couple", True))
+    if f32:
+        gs = jnp.ones((1,), jnp.float32) if scale is None else scale.astype(jnp.float32).reshape(1)
+        new_x, m, v = multitensor.adam(x, dx, mu, nu, jnp.concatenate([s, gs]), adamw=adamw, couple=couple)
+        return AdamState(m, v, bt), Replace(new_x)
     new_x, mc, ms, vc, vs = onepass(x, dx, mu.codes, mu.scale, nu.codes, nu.scale, s, adamw=adamw,
-                                    couple=bool(getattr(self, "couple", True)), fm=mu.fmt, fv=nu.fmt)
+                                    couple=couple, fm=mu.fmt, fv=nu.fmt)
     new_state = AdamState(dataclasses.replace(mu, codes=mc, scale=ms), dataclasses.replace(nu, codes=vc, scale=vs),
                           bt)
     return new_state, Replace(new_x)
@@ -274,6 +289,14 @@ class _OnePassChain(OptimiserChain):
     `OptimiserChain` refuses from its stages (a later stage could not step from it; here none follows)."""
 
     def apply_tree(self, states, xs, dxs):
+        last = self.rules[-1]
+        if len(self.rules) == 2 and formula_of(self.rules[0]) == "clip" and len(dxs[0]) == 1:
+            # The clip's factor goes to the last stage's step, which multiplies it in where it reads the
+            # gradient (a float32 group's kernel: no scaled gradient written and read back).
+            f = self.rules[0].factor([d[0] for d in dxs])
+            out = [jax.vmap(functools.partial(_apply, last, scale=f))(s[-1], x, *d)
+                   for s, x, d in zip(states, xs, dxs)]
+            return [(*s[:-1], o[0]) for s, o in zip(states, out)], [o[1] for o in out]
         head_states, steps = OptimiserChain(*self.rules[:-1]).apply_tree([s[:-1] for s in states], xs, dxs)
         last_states, new = apply_all(self.rules[-1], [s[-1] for s in states], xs,
                                      [(step, *d[1:]) for step, d in zip(steps, dxs)])
@@ -321,10 +344,15 @@ class OnePass(Strategy):
         if rule is None:
             return "its rule is not Adam or AdamW (alone or after ClipGlobalNorm)"
         fm, fv = rule.mu_dtype, rule.nu_dtype
-        if not (isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm == fv):
-            return "its moments are not both stored in one Quantized format"
+        f32 = all(f is None or not isinstance(f, Quantized) and jnp.dtype(f) == jnp.float32 for f in (fm, fv))
+        if not (f32 or isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm == fv):
+            return "its moments are stored neither in one Quantized format nor in float32"
         if request.n_trees != 1:
             return f"{request.n_trees} gradient trees"
+        if f32 and not any(n > 1 and math.prod(p.shape) > STACK_MAX_SIZE and jnp.dtype(p.dtype) == jnp.float32
+                           for n, p in zip(request.sizes, request.firsts)):
+            # A float32 step is one pass on XLA's path but in a group (optim._engine.multitensor)
+            return "float32 moments and no group of float32 parameters"
         quantised = lambda a: isinstance(a, QuantizedArray)     # noqa: E731
         if any(n > 1 and any(map(quantised, jax.tree.leaves(st, is_leaf=quantised)))
                for n, st in zip(request.sizes, request.stored)):

@@ -142,10 +142,11 @@ def wide_rules(rules: tuple) -> frozenset:
         (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule))
 
 
-def run(request: Request) -> Result:
+def run(request: Request, after: Strategy | None = None) -> Result:
     """The step of `request`, by the first registered strategy that accepts it (see `Strategy.refuse`), else by
-    the fallback; the reason each other one gave is logged at debug level."""
-    for s in _REGISTERED:
+    the fallback; the reason each other one gave is logged at debug level. `after`: ask only the strategies
+    registered after it (a strategy's code for a platform it has no kernel for: the fused CPU kernel's on a GPU)."""
+    for s in _REGISTERED[_REGISTERED.index(after) + 1 if after is not None else 0:]:
         why = s.refuse(request)
         if why is None:
             return s.run(request)
