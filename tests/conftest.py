@@ -85,7 +85,8 @@ def _compiled_programs_of_the_test():
 
 
 # ------------------------------------------------------------------------------------------- background runs
-# The multi-device cases (`parallel_cases.py`, `zero1_cases.py`) run in subprocesses with their own device count.
+# The multi-device cases (`parallel_cases.py`, `zero1_cases.py`, `split_cases.py`) run in subprocesses with their
+# own device count.
 # When their test files are collected, they start as soon as collection ends, so that on a machine with two
 # cores they run beside the rest of the suite instead of after it (about a minute of `make test`). A test module
 # gets its record with `background_cases(script, tmp)`: it waits for the run started here, or runs the script
@@ -99,7 +100,8 @@ import tempfile as _tempfile  # noqa: E402
 
 _HERE = _pathlib.Path(__file__).resolve().parent
 _BACKGROUND: dict = {}
-_SCRIPTS = {"test_parallel.py": "parallel_cases.py", "test_zero1.py": "zero1_cases.py"}
+_SCRIPTS = {"test_parallel.py": "parallel_cases.py", "test_zero1.py": "zero1_cases.py",
+            "test_split_matrices.py": "split_cases.py"}
 
 
 def _start(script: str, out: _pathlib.Path) -> _subprocess.Popen:

@@ -70,7 +70,8 @@ def plan(state: State, model: PyTree, trees: tuple, who: str, check_model: bool 
     leaves, treedef = flatten_like(lay, model, who) if check_model else jax.tree_util.tree_flatten(model)
     flat = [jax.tree_util.tree_flatten(g) for g in trees]
     # The engine's switches (optim._engine.strategies.SWITCHES), read inline: a later call enters no engine module.
-    key = (lay, *(getattr(o, a) for o, a in SWITCHES), *(d for _, d in flat))
+    # The mesh too: a matrix rule's step splits its stacks over it (optim._rules.split).
+    key = (lay, lay.mesh, *(getattr(o, a) for o, a in SWITCHES), *(d for _, d in flat))
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = _make(lay, trees, who)

@@ -26,6 +26,7 @@ from .._base.cache import LRU
 from .._base.export import register_for_export
 from .._engine.pack import fill, pack
 from .._rules.schedules import at_start
+from .._rules.split import mesh_of
 from .._engine.stack import make_stacks, place_stack, row_index, stack_states
 from .._base.tree import describe, flatten, match_positions, show, suggest, unique_index
 
@@ -109,6 +110,13 @@ class Layout:
             return True
         return (isinstance(other, Layout) and self._hash == other._hash and self.treedef == other.treedef
                 and self.params == other.params and self.frozen == other.frozen and self.stacks == other.stacks)
+
+    @functools.cached_property
+    def mesh(self) -> Any:
+        """The mesh of several devices the parameters or their state live on (the first met), or None: the matrix
+        rules split their per-matrix work over it (optim._rules.split). Not part of equality; `update`'s
+        programs are kept by it too."""
+        return mesh_of(s for p in self.params for s in (p.place, p.state_place))
 
     @functools.cached_property
     def paths(self) -> tuple[str, ...]:

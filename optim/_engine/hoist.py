@@ -36,6 +36,7 @@ from . import strategies
 from .pack import SMALL, fill, is_packed, split_rows
 from .stack import row_index, take_rows, traced_sharded
 from .._rules.protocol import apply_all, looks_across
+from .._rules.split import key as split_key
 from .._rules.wrappers import OptimiserChain
 
 __all__ = ["step_stacks", "ENABLED"]
@@ -141,10 +142,10 @@ def _split(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list
 def _split_cached(rule: Any, state_def: Any, small_at: tuple, smalls: list, wides: list, x: Any, dxs: tuple,
                   rows: int, rule_avals: tuple) -> Split | None:
     """`_split`, kept in _SPLITS by everything it reads: the rule's structure and hyperparameters' avals, the
-    state's structure, the avals, and the switches (a step may trace differently under another:
-    optim._engine.onepass reads fused's)."""
+    state's structure, the avals, the switches (a step may trace differently under another:
+    optim._engine.onepass reads fused's) and the mesh a matrix rule splits its stacks over (optim._rules.split)."""
     key = (jax.tree.structure(rule), state_def, small_at, tuple(smalls), (*wides, x, *dxs), rule_avals,
-           strategies.key())
+           strategies.key(), split_key())
     sp = _SPLITS.get(key)
     if sp is None:
         sp = _split(rule, state_def, small_at, smalls, wides, x, dxs, rows)

@@ -35,6 +35,9 @@ ANY = "any"
 # In `make_stacks`' `wide`: `(GROUPED, r)` marks rule `r` as one whose large parameters XLA's path groups
 # (`optim._engine.group`): stacked like the kernel's, at most `GROUP_MAX_ELEMENTS` elements a stack.
 GROUPED = "grouped"
+# In `make_stacks`' `wide`: `(SPLIT, r)` marks rule `r` as one whose large parameters are stacked where they live on
+# a mesh of several devices (`Rule._split_large`: Muon splits a stack's Newton-Schulz across them).
+SPLIT = "split"
 # A group's elements at most: 16M (64 MB of float32): 100 of 400x400 are one group.
 GROUP_MAX_ELEMENTS = 1 << 24
 # A grouped member's elements at most: 512k. On XLA's path a group's step moves 8 bytes a parameter more than one
@@ -54,14 +57,16 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     which reads each member where it is, so stacking their large parameters' states costs no pass (and saves
     the arrays in and out of each call), the rules `r` given as `(GROUPED, r)`, which XLA's path groups
     (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack), and the rules `r` given as
-    `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`). Deterministic, in
-    parameter order."""
+    `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`), and the rules `r` given
+    as `(SPLIT, r)` where the parameter or its state lives on a mesh of several devices (`Rule._split_large`).
+    Deterministic, in parameter order."""
     by_key: dict = {}
     out: list[list[int]] = []
     for u, p in enumerate(params):
         size = math.prod(p.shape)
         grouped = (GROUPED, p.rule) in wide and size <= GROUP_MAX_MEMBER
-        if size > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not (
+        split = (SPLIT, p.rule) in wide and _several(p.place, p.state_place)
+        if size > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not split and not (
                 (p.rule in wide or grouped) and p.place is None and p.state_place is None
                 and p.dtype in KERNEL_FLOATS):
             out.append([u])
@@ -74,6 +79,11 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
             out.append(g)
         g.append(u)
     return tuple(tuple(g) for g in out)
+
+
+def _several(*shardings: Any) -> bool:
+    """Whether one of `shardings` is a `NamedSharding` over several devices."""
+    return any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1 for s in shardings)
 
 
 def init_stack(rule: Any, xs: list, where: Callable[[], str], cache: dict | None = None,

@@ -132,23 +132,29 @@ def wide_rules(rules: tuple) -> frozenset:
     keeps stacked when their parameters are large (`optim._engine.stack.make_stacks`), as `(ANY, index)` the
     rules that ask for it themselves (`Rule._stack_large`: stacked whatever their dtype and placement), and as
     `(GROUPED, index)` the rules that XLA's path groups (`optim._engine.group`)."""
-    from .._rules.protocol import stacks_large
+    from .._rules.protocol import splits_large, stacks_large
     from . import group
-    from .stack import ANY, GROUPED
+    from .stack import ANY, GROUPED, SPLIT
 
     kernel = frozenset(r for r, rule in enumerate(rules) if any(s.enabled() and s.wide(rule)
                                                                   for s in _REGISTERED))
     return kernel | frozenset((ANY, r) for r, rule in enumerate(rules) if stacks_large(rule)) | frozenset(
-        (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule))
+        (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule)) | frozenset(
+        (SPLIT, r) for r, rule in enumerate(rules) if splits_large(rule))
 
 
 def run(request: Request, after: Strategy | None = None) -> Result:
     """The step of `request`, by the first registered strategy that accepts it (see `Strategy.refuse`), else by
     the fallback; the reason each other one gave is logged at debug level. `after`: ask only the strategies
-    registered after it (a strategy's code for a platform it has no kernel for: the fused CPU kernel's on a GPU)."""
-    for s in _REGISTERED[_REGISTERED.index(after) + 1 if after is not None else 0:]:
-        why = s.refuse(request)
-        if why is None:
-            return s.run(request)
-        _log.debug("optim: %s does not run %s here: %s", s.name, type(request.rule).__name__, why)
-    return _FALLBACK[0].run(request)
+    registered after it (a strategy's code for a platform it has no kernel for: the fused CPU kernel's on a GPU).
+    The rules trace it with the mesh the parameters or their state live on, where it spans several devices: the
+    matrix rules split their per-matrix work over it (optim._rules.split)."""
+    from .._rules import split
+
+    with split.over(split.mesh_of(s for p in request.firsts for s in (p.place, p.state_place))):
+        for s in _REGISTERED[_REGISTERED.index(after) + 1 if after is not None else 0:]:
+            why = s.refuse(request)
+            if why is None:
+                return s.run(request)
+            _log.debug("optim: %s does not run %s here: %s", s.name, type(request.rule).__name__, why)
+        return _FALLBACK[0].run(request)

@@ -21,6 +21,7 @@ from .pack import assemble, pinned
 from .stack import (GROUPED, STACK_MAX_SIZE, constrain, constrain_stack, put_rows, stack_arrays, take_rows,
                     traced_sharded)
 from .strategies import Request, Result, Strategy, register, switch
+from .._rules import split as split
 from .._rules.protocol import apply_step, step_row
 
 __all__ = ["XLAPath", "XLA", "rule_step", "mirrors"]
@@ -47,6 +48,7 @@ class XLAPath(Strategy):
 
 XLA = register(XLAPath(), fallback=True)
 switch(hoist, "ENABLED")
+switch(split, "ENABLED")
 
 
 def rule_step(request: Request) -> tuple[list, list, dict]:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hyper as _hyper
+from . import split as _devices
 from .._base.export import register_for_export
 from .fields import flag, nonneg, static, unit
 from .moments import load, mu_zeros, StateDtypes, store
@@ -143,6 +144,9 @@ class _Matrix(StateDtypes, Rule):
     """What Muon and NorMuon share: the checks of their structural fields, the matrix a parameter is seen as,
     the momentum direction, the orthogonalisation and the shape scale. Declares no field."""
 
+    _across = False         # per parameter: `apply_tree` only splits a stack's rows across devices
+    _split_large = True     # on a mesh of several devices its large parameters are stacked, to be split
+
     def __post_init__(self):
         super().__post_init__()
         owner = type(self).__name__
@@ -165,6 +169,13 @@ class _Matrix(StateDtypes, Rule):
                                 f"{getattr(self, name)!r}") from None
         if self.reduction_axis is None:
             raise TypeError(f"{owner}: reduction_axis must be an int or a tuple of ints, got None")
+
+    def apply_tree(self, states, xs, dxs):
+        # `apply` vmapped over each stack (as for any rule), each device stepping its share of the stack's
+        # matrices on a mesh of several devices (optim._rules.split)
+        out = [_devices.rows(lambda rule, s, x, d: jax.vmap(rule.apply)(s, x, *d), self, s, x, tuple(d))
+               for s, x, d in zip(states, xs, dxs)]
+        return [o[0] for o in out], [o[1] for o in out]
 
     @classmethod
     def _checked(cls, name: str, v: Any) -> Any:

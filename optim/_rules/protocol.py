@@ -164,6 +164,9 @@ class Rule:
     # ones alone otherwise): a rule whose step is matrix work per parameter (SOAP's eigh and qr) then runs it
     # batched, once per shape, at the cost of a copy of each parameter into its stack (see `stacks_large`).
     _stack_large: ClassVar[bool] = False
+    # Whether the rule's large parameters are stacked where they live on a mesh of several devices (`Muon`): its
+    # `apply_tree` splits a stack's per-matrix work across them (optim._rules.split), which needs a stack.
+    _split_large: ClassVar[bool] = False
     # Whether XLA's path may split the rule's step per stack to run its scalar arithmetic once per pack
     # (`optim._engine.hoist`); False: its `apply_tree` gets all its stacks at once (SOAP orders their eigh / qr).
     _hoist: ClassVar[bool] = True
@@ -427,6 +430,14 @@ def stacks_large(rule: Any) -> bool:
     if getattr(rule, "_stack_large", False):
         return True
     return any(stacks_large(r) for r in inner_rules(rule))
+
+
+def splits_large(rule: Any) -> bool:
+    """Whether `rule`, or a rule inside it, asks for its large parameters to be stacked on a mesh of several
+    devices (`Rule._split_large`)."""
+    if getattr(rule, "_split_large", False):
+        return True
+    return any(splits_large(r) for r in inner_rules(rule))
 
 
 def formula_of(rule: Any) -> str | None:

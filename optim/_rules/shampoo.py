@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import hyper as _hyper
+from . import split as _devices
 from .._base.export import register_for_export
 from .fields import count, flag, nonneg, static, steps, unit
 from .protocol import Rule, apply_one, as_compute, compute_dtype, pair_of, where_leading
@@ -202,7 +203,9 @@ class Shampoo(Rule):
     def apply_tree(self, states, xs, dxs):
         new, steps_, after = [], [], None
         for s, x, d in zip(states, xs, dxs):
-            st, step = self._stack(s, x, d[0], after)
+            # each device steps its share of the stack's members (optim._rules.split)
+            st, step = _devices.rows(lambda rule_after, s, x, g: rule_after[0]._stack(s, x, g, rule_after[1]),
+                                     (self, after), s, x, d[0])
             new.append(st)
             steps_.append(step)
             after = st.roots or after
