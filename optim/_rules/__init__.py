@@ -8,7 +8,8 @@ The new parameter is `x - step` (the protocol is in `protocol.py`; the contracts
 paper): `sgd.py`, `adaptive.py`, `adam.py`, `transforms.py`, with the moments' helpers and storage in
 `moments.py` and `quantized.py` (8-bit and 4-bit moments). ADOPT is in `adopt.py`, AdEMAMix in `ademamix.py`,
 MARS in `mars.py`, Muon and NorMuon in `muon.py`, Lamb and Lars in `layerwise.py`, SOAP in `soap.py`, Shampoo
-in `shampoo.py`, Kron in `kron.py`, Adafactor in `adafactor.py`, ScheduleFreeAdamW in `schedule_free.py`, the
+in `shampoo.py`, Kron in `kron.py` (the matrix rules split a stack's members across a mesh's devices with
+`split.py`), Adafactor in `adafactor.py`, ScheduleFreeAdamW in `schedule_free.py`, the
 whole-model learning-rate-free Prodigy and DoG in `lr_free.py` (they follow optax); schedules in `schedules.py`;
 rules made of rules in `wrappers.py`, `average.py` (EMA), `cautious.py` and `rounding.py` (stochastic rounding).
 Notation in the docstrings: `g` is the gradient, `η` the learning rate, `t` the step number (1 on the first
