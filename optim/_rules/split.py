@@ -1,6 +1,7 @@
 """Splitting a stack's per-matrix work across devices: the matrix rules (`Muon`, `NorMuon`, `Shampoo`, `Kron`,
 `SOAP`) step the matrices of one shape as a stack (a leading axis over them), and on a mesh of several devices
-each device steps its share of the stack's rows, the results then gathered, instead of every device stepping
+each device steps its share of the stack's rows (each row's whole step: Newton-Schulz, eigendecompositions,
+roots, and the elementwise rest), the new states and steps then gathered, instead of every device stepping
 every matrix.
 
 `rows(f, shared, *stacks)` is `f(shared, *stacks)`, run under `jax.shard_map` with the stacks' leading axis
@@ -10,10 +11,10 @@ the device count does not divide is padded by repeating its first rows (their re
 device steps `ceil(n / devices)` rows. Each row's program is the one a single device runs on it, so the result
 equals the single-device one to rounding.
 
-The mesh: the current abstract mesh (`jax.set_mesh`; a jit whose arguments carry their sharding in their type,
-on Explicit axes), else the one the engine names for the step (`over`: where `setup` saw the parameters or
-their requested state sharding live). Nothing is split on one device, inside `shard_map` or `pmap` (each
-device then steps its own copy: its axes are Manual), or for a stack of one row; nor with `ENABLED` off.
+The mesh: the current abstract mesh (`jax.set_mesh`), else the one the engine names for the step (`over`:
+where `setup` saw the parameters or their requested state sharding live). Nothing is split on one device,
+inside `shard_map` or `pmap` (each device then steps its own copy: its axes are Manual), or for a stack of one
+row; nor with `ENABLED` off.
 """
 
 from __future__ import annotations
