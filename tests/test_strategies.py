@@ -10,6 +10,7 @@ import pytest
 
 import optim
 from optim._core import program as _program
+from optim._rules import split as _split
 from optim._engine import (fused as _fused, hoist as _hoist, multitensor as _multitensor, onepass as _onepass,
                            strategies as _strategies, xla as _xla)
 from tests.test_pack import assert_ulp, grads_at, model
@@ -18,7 +19,7 @@ from tests.test_pack import assert_ulp, grads_at, model
 def test_the_kernels_are_registered_and_xla_is_the_fallback():
     assert _strategies.registered() == (_fused.KERNEL, _onepass.ONE_PASS, _xla.XLA)
     switches = [(_fused, "ENABLED"), (_onepass, "ENABLED"), (_onepass, "INTERPRET"), (_multitensor, "INTERPRET"),
-                (_hoist, "ENABLED")]
+                (_hoist, "ENABLED"), (_split, "ENABLED")]
     assert sorted(_strategies.SWITCHES, key=switches.index) == switches
     assert _strategies.key() == tuple(getattr(o, a) for o, a in _strategies.SWITCHES)
     assert _onepass.INTERPRET is False
