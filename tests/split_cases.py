@@ -2,7 +2,7 @@
 
 Run as a script (`python tests/split_cases.py OUT.json`): it sets XLA_FLAGS before JAX starts, trains models of
 same-shaped matrices with each matrix rule on one device and on a mesh of 8 (replicated parameters in a
-sharded `jit`, ZeRO-1 on Auto and on Explicit axes, FSDP, inside `shard_map`), and writes one JSON record per
+sharded `jit`, ZeRO-1 and FSDP on Auto and on Explicit axes, inside `shard_map`), and writes one JSON record per
 case: `{"ok": bool, "error": str, ...measurements}`. Each record holds the largest difference from the
 single-device parameters and, from the per-device compiled program (`compile().as_text()`), the matrix
 products it does with the split on and with it off (`optim._rules.split.ENABLED`).
@@ -103,14 +103,14 @@ def case(rule: str, kind: str) -> dict:
     """`rule` trained on 8 devices in the style `kind`, against one device; the per-device program's products
     with the split on and off."""
     model, ref = make_model(rule), reference(rule)
-    explicit = kind == "zero1_explicit"
+    explicit = kind.endswith("explicit")
     mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit if explicit else AxisType.Auto,))
     rep = NamedSharding(mesh, P())
     put = (lambda t: jax.device_put(t, rep))
     setup = {}
     if kind.startswith("zero1"):
         setup["state_sharding"] = lambda path, x: NamedSharding(mesh, P("data"))
-    elif kind == "fsdp":
+    elif kind.startswith("fsdp"):
         put = (lambda t: jax.device_put(t, NamedSharding(mesh, P("data"))))
     out = {}
     for on in (True, False):
@@ -148,7 +148,8 @@ def main(out_path: str, only: str = "") -> None:
     assert jax.device_count() == N_DEV, jax.devices()
     cases = [(f"{r}_{k}", (lambda r=r, k=k: case(r, k)))
              for r in RULES for k in ("replicated", "zero1_auto", "zero1_explicit")]
-    cases += [("muon_fsdp", lambda: case("muon", "fsdp")), ("muon_shard_map", lambda: case_shard_map("muon"))]
+    cases += [(f"muon_{k}", lambda k=k: case("muon", k)) for k in ("fsdp", "fsdp_explicit")]
+    cases += [("muon_shard_map", lambda: case_shard_map("muon"))]
     results = {}
     for name, fn in [c for c in cases if not only or c[0] in only.split(",")]:
         t0, c0 = time.perf_counter(), time.process_time()

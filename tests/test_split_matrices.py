@@ -55,8 +55,9 @@ def test_member_loops_run_an_eighth_of_the_members_per_device(cases, rule, kind)
     assert N not in rec["on"]["loops"] and N // N_DEV in rec["on"]["loops"]
 
 
-def test_muon_fsdp(cases):
-    rec = _record(cases, "muon_fsdp")
+@pytest.mark.parametrize("kind", ["fsdp", "fsdp_explicit"])
+def test_muon_fsdp(cases, kind):
+    rec = _record(cases, f"muon_{kind}")
     assert rec["on"]["dots"] < rec["off"]["dots"] / 6
 
 
