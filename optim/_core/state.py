@@ -89,8 +89,8 @@ class Layout:
         object.__setattr__(self, "param_of", tuple(param_of))
         # The stacks: tuples of parameter indices whose states are stored stacked, in this order.
         object.__setattr__(self, "stacks", make_stacks(self.params, self.wide))
-        # Hashing 10000 Params costs ~10 ms; equal layouts already agree on everything below, and `__eq__`
-        # compares the params themselves.
+        # Not the Params: hashing them all is slow on a large model (`bench/NOTES.md`); equal layouts already
+        # agree on everything below, and `__eq__` compares the params themselves.
         object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.stacks)))
 
     @functools.cached_property

@@ -17,7 +17,7 @@ from .._rules.protocol import sum_squares, widened
 
 def row_squares(g: jax.Array, x: jax.Array, new: jax.Array) -> jax.Array:
     """Per row (leading axis) of a stack: [Σ|g|², Σ|x - new|², Σ|new|²], accumulated in float32 (or wider),
-    shape (rows, 3). Three plain reductions: on XLA:CPU they run 4x faster than one variadic reduction. `new` is
+    shape (rows, 3). Three plain reductions, not one variadic reduction (faster on XLA:CPU: `bench/NOTES.md`). `new` is
     read as stored (`widened`): a bfloat16 step below the parameter's resolution is no update."""
     wide = jnp.promote_types(x.dtype, jnp.float32)
     dims = tuple(range(1, x.ndim))
@@ -54,8 +54,8 @@ _STATS = ("grad_norm", "update_norm", "param_norm")
 def as_dict(lay: Layout, norms: tuple) -> dict:
     """The stats dict from the program's norms (global, shape (3,); per parameter, shape (parameters, 3)).
     Eagerly, the per-parameter norms come to the host in one transfer (3 device scalars per parameter would
-    cost XLA a compiled slice each: ~40 s of compiling for 1000 parameters); traced, they are slices that XLA
-    drops unless the caller returns them."""
+    cost XLA a compiled slice each, and compiling grows with the parameters: `bench/NOTES.md`); traced, they are
+    slices that XLA drops unless the caller returns them."""
     totals, per = norms
     out: dict = {name: totals[k] for k, name in enumerate(_STATS)}
     rows = per if isinstance(per, jax.core.Tracer) else np.asarray(per)

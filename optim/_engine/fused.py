@@ -26,9 +26,9 @@ gives their flag and their own states (counters, norm statistics) exactly as XLA
 whose flag is false is not touched by the kernel (in place nothing is written; beside, its old values are
 copied) and its packed bias-correction powers keep their values. SkipNonFinite's question, whether all the
 rule's gradients are finite, is the clip's norm where a chain has one and it is finite, else a second custom call
-of the same library (`optim_finite`: XLA:CPU writes a bool per element before reducing them, 7x the time of
-reading the gradients). An EMA's average is one more stream in the same pass. bfloat16 moments: the step is
-computed from the new float32 moments before they are rounded for storage, as XLA's path does.
+of the same library (`optim_finite`: XLA:CPU writes a bool per element before reducing them, several times the
+time of reading the gradients: `bench/NOTES.md`). An EMA's average is one more stream in the same pass. bfloat16
+moments: the step is computed from the new float32 moments before they are rounded for storage, as XLA's path does.
 
 CPU only, chosen at lowering (optim._engine.kernel_choice): a program lowered for GPU or TPU, or exported, runs
 XLA's path (which fuses there) and only a CPU lowering runs the kernel.
@@ -183,10 +183,10 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
 
     if all(type(g) is SkipNonFinite for g in plan.gates):
         # SkipNonFinite reads only whether the gradients are all finite: one pass of the kernel's over them all
-        # (XLA:CPU writes a bool per element first: 7x the time of reading them), none where a clip's norm over
-        # them is finite (then so is every gradient; an Inf or NaN norm, from a gradient that is not finite or a
-        # finite one whose square overflows, asks the check: the flag is exactly SkipNonFinite's). Each stack's
-        # gradients are given to the wrappers as a number that is finite where they all are.
+        # (XLA:CPU writes a bool per element first: several times the time of reading them), none where a clip's
+        # norm over them is finite (then so is every gradient; an Inf or NaN norm, from a gradient that is not
+        # finite or a finite one whose square overflows, asks the check: the flag is exactly SkipNonFinite's).
+        # Each stack's gradients are given to the wrappers as a number that is finite where they all are.
         finite = jax.ffi.ffi_call(fused_load.FINITE, jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential")
         grads = [d for i, m, _ in members for d in sums[i][m]]
         flag = (finite(*grads) if norm is None else

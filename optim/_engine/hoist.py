@@ -285,8 +285,8 @@ def _apart(per_stack: list) -> list:
     """Each stack's own arrays (a list per stack), behind one barrier when there are several stacks. Read as rows
     of one shared array (a pack, hoisted residuals), they are an operand the stacks' kernels share, and XLA:GPU
     fused every stack's parameter update into one multi-output kernel that read the new moments back from
-    memory instead of computing them in the kernel that writes the parameter (Adam on a GPT-2's tree: 34 bytes a
-    parameter where one pass over the state is 28; `bench/NOTES.md`)."""
+    memory instead of computing them in the kernel that writes the parameter (more bytes a step than one pass
+    over the state: `bench/NOTES.md`)."""
     return jax.lax.optimization_barrier(per_stack) if len(per_stack) > 1 else per_stack
 
 

@@ -3,7 +3,8 @@
 A rule's state often holds, besides arrays shaped like the parameter, a few numbers per parameter: Adam's
 bias-correction powers `bt` (2 per parameter), step counts, RAdam's `t`. Stored per stack, a model of 1000
 large parameters (each alone in its stack, see `optim._engine.stack`) would pass 1000 such arrays in and out of every
-compiled step (about 1.5 µs each per call on the host) and run a few tiny kernels per parameter to advance them.
+compiled step (each costs host time per call: `bench/NOTES.md`) and run a few tiny kernels per parameter to advance
+them.
 So `State` stores them *packed*: the small leaves of stacks with the same rule, state structure, small-leaf
 shapes and dtypes, placement and number of members form a pack group (at most `PACK_MAX_ROWS` parameters), which
 holds one array per small leaf with a row per parameter. In a stack's stored tree each packed leaf is a `Packed`

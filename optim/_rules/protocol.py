@@ -348,10 +348,9 @@ def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> 
 
     On CPU a conditional: selecting between the new state and the old one makes XLA:CPU keep the old state
     alive past the loop that overwrites it in place, a copy of every state array per step (Adam: 3 copies per
-    parameter, 2.8x the bare step's time at 100 x 16k; with the conditional no copy, 1.6x: `bench/NOTES.md`). Elsewhere
-    branch-free selects, which XLA fuses into the rule's own loops there and which need no predicate on the
-    host (a GPU conditional reads it back every step). Under `vmap` (a batched `ok`) JAX turns the conditional
-    into the same selects."""
+    parameter; with the conditional none; timings in `bench/NOTES.md`). Elsewhere branch-free selects, which XLA
+    fuses into the rule's own loops there and which need no predicate on the host (a GPU conditional reads it
+    back every step). Under `vmap` (a batched `ok`) JAX turns the conditional into the same selects."""
     def run(states, xs, dxs):
         new, steps = apply_all(rule, states, xs, dxs)
         # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.

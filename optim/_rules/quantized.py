@@ -18,7 +18,7 @@ shifts it back: no table, no search, a few integer operations a number.
 - Second moments (unsigned, `nu`: averages of `|g|²`): `bits` magnitude bits, all log-linear, and no code for 0:
   a number below the smallest code is stored as the smallest code. The step divides by `√v`, so a `v` rounded to
   0 would make a step of `m / ε`; rounded up, it makes a smaller step (Li et al. 2023's "zero-point problem").
-- `M` per format (`MANTISSA`), measured in `bench/lowmem.py`: 8 bits, 3 mantissa bits, both moments (the
+- `M` per format (`MANTISSA`), chosen with `bench/lowmem.py`: 8 bits, 3 mantissa bits, both moments (the
   smallest code, relative to the block's largest number: signed 1.25·2⁻¹⁶ ≈ 1.9e-5, unsigned 1.125·2⁻³²
   ≈ 2.6e-10; a number in range is stored within 6.25% of its value); 4 bits, 1 mantissa bit (signed 1/8,
   unsigned 1.5·2⁻⁸ ≈ 1/171).
