@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -28,8 +28,39 @@ def take(seq, idx: tuple[int, ...]) -> tuple:
     return (seq[idx[0]],) if idx else ()
 
 
+class GradSlot(NamedTuple):
+    """One gradient a graded parameter sums: which of its tree's passed leaves, and the function its position
+    is tied through (None for a plain position; the gradient is then pulled back through its VJP)."""
+
+    leaf: int                             # index into the tree's passed leaves (`Program.grad_take`)
+    transform: Callable | None
+
+
+class StackPlan(NamedTuple):
+    """A stack with at least one stepping parameter: its rows that step and, per such row, its parameter's
+    index into `Program.graded` (the arrays `_core` is given) and into `Program.stepping` (its outputs)."""
+
+    rows: tuple[int, ...]
+    graded: tuple[int, ...]
+    stepping: tuple[int, ...]
+
+
+class RuleSteps(NamedTuple):
+    """What `_core` asks the engine for one rule: the rule (index into `State.rules`), its stepping stacks
+    (indices into `Program.step_stacks` and `Program.stack_plan`) and their stepping members (indices into
+    `Layout.params`)."""
+
+    rule: int
+    stacks: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)   # hashed by identity: programs are cached and reused
 class Program:
+    """The plan of one call structure. Indices name what they index: `graded` and `stepping` are indices into
+    `layout.params`; an index into `graded` (the arrays `_core` is given) or `stepping` (its outputs) is written
+    `a`; a stack's index into `layout.stacks` is `s`, into `step_stacks` (and `stack_plan`) `j`."""
+
     layout: Layout
     graded: tuple[int, ...]               # parameters with a gradient in the first tree (frozen ones too)
     stepping: tuple[int, ...]             # ... and those parameters' own indices
@@ -37,8 +68,7 @@ class Program:
     check_pos: tuple[int, ...]            # every other trainable position, only to validate shapes
     grad_take: tuple[tuple[int, ...], ...]   # per gradient tree: which flat gradient leaves to pass
     grad_paths: tuple[tuple[str, ...], ...]  # ... and their dotted paths, for error messages
-    # per tree, per graded parameter: ((index into the passed leaves, transform or None), ...)
-    grad_slots: tuple[tuple[tuple[tuple[int, Any], ...], ...], ...]
+    grad_slots: tuple[tuple[tuple[GradSlot, ...], ...], ...]   # per tree, per graded parameter: what it sums
     out_src: tuple[int, ...]              # per model position: index into new_params + new_copies + old leaves
     # Traced (inside a caller's jit): per stepping parameter, its other plain tied positions (indices into
     # `check_pos`), which `_core` then returns as outputs of their own (see `optim._engine.xla.mirrors`); and
@@ -46,12 +76,9 @@ class Program:
     mirror_pos: tuple[tuple[int, ...], ...]
     out_src_traced: tuple[int, ...]
     step_stacks: tuple[int, ...]          # stacks with at least one stepping parameter
-    # per such stack: (its rows that step, their indices into `graded`, into `stepping`)
-    stack_plan: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+    stack_plan: tuple[StackPlan, ...]     # per such stack
     stack_src: tuple[int, ...]            # per stack: index into new_stacks + old stacks
-    # per rule with stepping stacks: (the rule's index, its stepping stacks' indices into `step_stacks`, their
-    # members' indices into `layout.params`), what `_core` asks the engine for that rule
-    by_rule: tuple[tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]], ...]
+    by_rule: tuple[RuleSteps, ...]        # per rule with stepping stacks
     # its jitted callables (see `optim._core.update._jitted`), made on first use: [core, core donating, sums]
     jitted: list = dataclasses.field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
@@ -128,7 +155,7 @@ def _make(lay: Layout, trees: tuple, who: str) -> Program:
         order: dict[int, int] = {}
         per_param = []
         for u in graded:
-            per_param.append(tuple((order.setdefault(found[i], len(order)), f)
+            per_param.append(tuple(GradSlot(leaf=order.setdefault(found[i], len(order)), transform=f)
                                    for i, f in positions[u] if i in found))
         taken.append(tuple(order))
         paths.append(tuple(gpaths[j] for j in order))
@@ -139,16 +166,16 @@ def _make(lay: Layout, trees: tuple, who: str) -> Program:
     out_src = list(range(n_new, n_new + lay.treedef.num_leaves))
     graded_at = {u: a for a, u in enumerate(graded)}
     stepping_at = {u: a for a, u in enumerate(stepping)}
-    step_stacks, plan = [], []
-    for g, stack in enumerate(lay.stacks):
+    step_stacks, stack_plan = [], []
+    for s, stack in enumerate(lay.stacks):
         rows = tuple(k for k, u in enumerate(stack) if u in stepping_at)
         if rows:
-            step_stacks.append(g)
-            plan.append((rows, tuple(graded_at[stack[k]] for k in rows),
-                         tuple(stepping_at[stack[k]] for k in rows)))
-    stack_src = [len(step_stacks) + g for g in range(len(lay.stacks))]
-    for j, g in enumerate(step_stacks):
-        stack_src[g] = j
+            step_stacks.append(s)
+            stack_plan.append(StackPlan(rows=rows, graded=tuple(graded_at[stack[k]] for k in rows),
+                                        stepping=tuple(stepping_at[stack[k]] for k in rows)))
+    stack_src = [len(step_stacks) + s for s in range(len(lay.stacks))]
+    for j, s in enumerate(step_stacks):
+        stack_src[s] = j
     extra = len(stepping)
     for a, u in enumerate(stepping):
         for i in lay.params[u].members:
@@ -168,10 +195,14 @@ def _make(lay: Layout, trees: tuple, who: str) -> Program:
             out_traced[check[k]] = extra + c
         extra += len(mirror_pos[a])
     rule_of: dict[int, list[int]] = {}
-    for j, g in enumerate(step_stacks):
-        rule_of.setdefault(lay.params[lay.stacks[g][0]].rule, []).append(j)
-    by_rule = tuple((r, tuple(js), tuple(tuple(stepping[a] for a in plan[j][2]) for j in js))
+    for j, s in enumerate(step_stacks):
+        rule_of.setdefault(lay.params[lay.stacks[s][0]].rule, []).append(j)
+    by_rule = tuple(RuleSteps(rule=r, stacks=tuple(js),
+                              members=tuple(tuple(stepping[a] for a in stack_plan[j].stepping) for j in js))
                     for r, js in rule_of.items())
-    return Program(lay, graded, stepping, tuple(lay.params[u].canonical for u in graded), check,
-                   tuple(taken), tuple(paths), tuple(slots), tuple(out_src), tuple(mirror_pos), tuple(out_traced),
-                   tuple(step_stacks), tuple(plan), tuple(stack_src), by_rule)
+    return Program(layout=lay, graded=graded, stepping=stepping,
+                   param_pos=tuple(lay.params[u].canonical for u in graded), check_pos=check,
+                   grad_take=tuple(taken), grad_paths=tuple(paths), grad_slots=tuple(slots),
+                   out_src=tuple(out_src), mirror_pos=tuple(mirror_pos), out_src_traced=tuple(out_traced),
+                   step_stacks=tuple(step_stacks), stack_plan=tuple(stack_plan), stack_src=tuple(stack_src),
+                   by_rule=by_rule)

@@ -224,10 +224,10 @@ def setup(rule: RuleSpec, model: PyTree, *, ties: Mapping[str, Any] | None = Non
     mesh_scalar = _replicated(params, traced)
     rules = tuple(_canonical_hyper(r, mesh_scalar) for r in rules)
     cache: dict = {}
-    stacks = tuple(init_stack(unwrap(rules[params[g[0]].rule]), [leaves[params[u].canonical] for u in g],
-                              lambda g=g: paths[params[g[0]].canonical], cache,
-                              local=not traced and params[g[0]].place is None,
-                              sharding=params[g[0]].state_place) for g in layout.stacks)
+    stacks = tuple(init_stack(unwrap(rules[params[members[0]].rule]), [leaves[params[u].canonical] for u in members],
+                              lambda members=members: paths[params[members[0]].canonical], cache,
+                              local=not traced and params[members[0]].place is None,
+                              sharding=params[members[0]].state_place) for members in layout.stacks)
     step = jnp.zeros((), jnp.int32)
     state = State(layout, rules, stacks, step if mesh_scalar is None else jax.device_put(step, mesh_scalar))
     if mesh_scalar is not None:

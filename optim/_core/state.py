@@ -66,6 +66,13 @@ class Param:
             object.__setattr__(self, "transforms", tuple(TiedCopy(*t) for t in self.transforms))
 
 
+class Slot(NamedTuple):
+    """Where a parameter's state is stored: row `row` of stack `stack` (an index into `Layout.stacks`)."""
+
+    stack: int
+    row: int
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """Static description of a model as seen by a `State` (hashable, compares by value).
@@ -94,12 +101,12 @@ class Layout:
         object.__setattr__(self, "_hash", hash((self.treedef, len(self.params), self.frozen, self.stacks)))
 
     @functools.cached_property
-    def slot(self) -> tuple[tuple[int, int], ...]:
-        """Per parameter: (its stack, its row in the stack)."""
+    def slot(self) -> tuple[Slot, ...]:
+        """Per parameter: where its state is stored (`Slot`)."""
         out: list = [None] * len(self.params)
-        for g, stack in enumerate(self.stacks):
+        for s, stack in enumerate(self.stacks):
             for k, u in enumerate(stack):
-                out[u] = (g, k)
+                out[u] = Slot(stack=s, row=k)
         return tuple(out)
 
     def __hash__(self) -> int:
@@ -229,9 +236,9 @@ class State:
             self._stacks = tuple(fill(s, self.packs) for s in self.stored)
         return self._stacks
 
-    def stack(self, g: int) -> Any:
-        """`self.stacks[g]`, reading back only that stack's packed rows."""
-        return self._stacks[g] if self._stacks is not None else fill(self.stored[g], self.packs)
+    def stack(self, s: int) -> Any:
+        """`self.stacks[s]`, reading back only that stack's packed rows."""
+        return self._stacks[s] if self._stacks is not None else fill(self.stored[s], self.packs)
 
     def replace(self, layout: Layout | None = None, rules: tuple | None = None, step: Any = None) -> "State":
         """This state with another layout (same stacks), rules or step; the arrays are shared, not copied."""
@@ -245,18 +252,18 @@ class State:
     def of_params(cls, layout: Layout, rules: tuple, states: list, step: Any) -> "State":
         """A state from one optimiser state per parameter (in `layout.params` order), stacked per stack."""
         self = cls(layout, rules, (), step, ())
-        stacks = tuple(self._placed(k, stack_states([states[u] for u in g])) for k, g in enumerate(layout.stacks))
+        stacks = tuple(self._placed(s, stack_states([states[u] for u in members]))
+                       for s, members in enumerate(layout.stacks))
         return cls(layout, rules, stacks, step)
 
     def param_state(self, u: int) -> Any:
         """The optimiser state of parameter `u`: its row of its stack (numpy stays numpy). A state
         that went through `vmap` / `pmap` (`jax.tree.map(lambda a: jnp.stack([a, a]), state)`) has extra
         leading axes; they are kept, and the row is taken on the stack's axis after them."""
-        g, k = self.layout.slot[u]
-        stack = self.stack(g)
-        leaves, treedef = jax.tree_util.tree_flatten(stack)
+        slot = self.layout.slot[u]
+        leaves, treedef = jax.tree_util.tree_flatten(self.stack(slot.stack))
         extra = [np.ndim(a) - d for a, d in zip(leaves, member_ndims(self, u, treedef))]
-        return treedef.unflatten([a[(slice(None),) * (e - 1) + (k,)] for a, e in zip(leaves, extra)])
+        return treedef.unflatten([a[(slice(None),) * (e - 1) + (slot.row,)] for a, e in zip(leaves, extra)])
 
     def param_states(self) -> list:
         """One optimiser state per parameter, in `layout.params` order."""
@@ -266,16 +273,16 @@ class State:
         """This state with the states of some parameters (`{index: state}`) replaced; untouched stacks keep
         their arrays."""
         stacks = list(self.stacks)
-        for g in sorted({self.layout.slot[u][0] for u in new}):
-            stack = self.layout.stacks[g]
-            stacks[g] = self._placed(g, stack_states([new[u] if u in new else self.param_state(u) for u in stack]))
+        for s in sorted({self.layout.slot[u].stack for u in new}):
+            stack = self.layout.stacks[s]
+            stacks[s] = self._placed(s, stack_states([new[u] if u in new else self.param_state(u) for u in stack]))
         return State(self.layout, self.rules, tuple(stacks), self.step)
 
-    def _placed(self, g: int, stack: Any, layout: Layout | None = None) -> Any:
-        """Stack `g` (of `layout`, by default this state's) put on its requested state sharding, if it has one
+    def _placed(self, s: int, stack: Any, layout: Layout | None = None) -> Any:
+        """Stack `s` (of `layout`, by default this state's) put on its requested state sharding, if it has one
         (`setup(..., state_sharding=fn)`): a restacked state keeps the placement `setup` gave it."""
         lay = layout or self.layout
-        p = lay.params[lay.stacks[g][0]]
+        p = lay.params[lay.stacks[s][0]]
         return place_stack(stack, p.state_place, p.shape) if p.state_place is not None else stack
 
     def regroup(self, layout: Layout, rules: tuple) -> "State":
@@ -284,7 +291,7 @@ class State:
         unchanged keeps its arrays; another gathers its rows from the old stacks, one gather per run of rows
         taken from one old stack (not one slice per parameter)."""
         old = self.layout
-        where = {g: i for i, g in enumerate(old.stacks)}
+        where = {members: s for s, members in enumerate(old.stacks)}
         stacks = []
         for stack in layout.stacks:
             if stack in where:
@@ -292,14 +299,14 @@ class State:
                 continue
             runs: list = []      # [(old stack, [rows])]
             for u in stack:
-                g, k = old.slot[u]
-                if runs and runs[-1][0] == g:
-                    runs[-1][1].append(k)
+                slot = old.slot[u]
+                if runs and runs[-1][0] == slot.stack:
+                    runs[-1][1].append(slot.row)
                 else:
-                    runs.append((g, [k]))
+                    runs.append((slot.stack, [slot.row]))
             treedef = jax.tree.structure(self.stacks[runs[0][0]])
             nd = member_ndims(self, stack[0], treedef)
-            columns = zip(*[jax.tree.leaves(self.stacks[g]) for g, _ in runs])
+            columns = zip(*[jax.tree.leaves(self.stacks[s]) for s, _ in runs])
             stacks.append(self._placed(len(stacks), treedef.unflatten(
                 [_gather(col, [rows for _, rows in runs], nd[c]) for c, col in enumerate(columns)]), layout))
         return State(layout, rules, tuple(stacks), self.step)
@@ -387,8 +394,8 @@ class State:
         try:
             return jax.tree.map(describe, self.param_state(u))
         except Exception:  # noqa: BLE001 (any leaves at all: a repr must not fail)
-            g = self.layout.slot[u][0]
-            return "<not arrays: its stack holds " + ", ".join(map(_short, jax.tree.leaves(self.stored[g]))) + ">"
+            s = self.layout.slot[u].stack
+            return "<not arrays: its stack holds " + ", ".join(map(_short, jax.tree.leaves(self.stored[s]))) + ">"
 
 
 def _short(a: Any) -> str:
@@ -489,8 +496,8 @@ def _member_shapes(layout: Layout, rules: tuple, stacks: tuple) -> list:
     """Per stack: one parameter's shape of each state leaf (flatten order), from the rule's init
     (`_init_shapes`); None where that is unknown or the stack's structure differs (it is then stored as it is)."""
     out = []
-    for g, stack in zip(layout.stacks, stacks):
-        p = layout.params[g[0]]
+    for members, stack in zip(layout.stacks, stacks):
+        p = layout.params[members[0]]
         treedef, shapes = _init_shapes(unwrap(rules[p.rule]), p.shape, p.dtype)
         out.append(shapes if treedef is not None and jax.tree.structure(stack) == treedef else None)
     return out

@@ -34,7 +34,7 @@ def norms(prog: Program, squares: list, params: tuple, checks: tuple) -> tuple[j
     checked = {i: k for k, i in enumerate(prog.check_pos)}
     stepping = set(prog.stepping)
     rows, order = list(squares), [u for j in range(len(prog.step_stacks)) for u in
-                                  (prog.stepping[a] for a in prog.stack_plan[j][2])]
+                                  (prog.stepping[a] for a in prog.stack_plan[j].stepping)]
     idle = [u for u in range(len(lay.params)) if u not in stepping]
     if idle:
         xs = [params[graded[u]] if u in graded else checks[checked[lay.params[u].canonical]] for u in idle]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +30,31 @@ import numpy as np
 
 from . import stats as stats
 from .._engine import strategies as engine
-from .._engine.pack import assemble
+from .._engine.pack import PackRows, assemble
 from .program import Program, plan, take
 from .._rules.schedules import resolve
 from .._engine.stack import constrain, stack_arrays
 from .state import Layout, State, unwrap
 from .._base.tree import PyTree, describe, show
 from .._rules.wrappers import joint_norm
+
+
+class Wants(NamedTuple):
+    """What a call asks of `_core`, static (a jit's static argument: hashable, compared by value)."""
+
+    grads: bool          # return the tie-summed gradients
+    stats: bool          # return the norms (`return_stats`)
+    in_place: bool       # the buffers are donated (or traced): the new values may overwrite them
+    traced: bool         # inside a caller's trace: tied positions are outputs of their own (`Program.mirror_pos`)
+
+
+class Steps(NamedTuple):
+    """One rule's part of a traced step: its stepping stacks (indices into `Program.step_stacks`), what the
+    engine was asked and what it returned."""
+
+    stacks: tuple[int, ...]
+    request: engine.Request
+    result: engine.Result
 
 
 def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, donate: bool = False,
@@ -102,7 +120,8 @@ def update(state: State, model: PyTree, grads: PyTree, *more_grads: PyTree, dona
     traced = isinstance(state.step, jax.core.Tracer)
     try:
         new_stacks, new_packs, new_params, step, summed, norms = run(
-            (bool(return_grads), bool(return_stats), bool(donate) or traced, traced), state.rules,
+            Wants(grads=bool(return_grads), stats=bool(return_stats), in_place=bool(donate) or traced,
+                  traced=traced), state.rules,
             take(state.stored, prog.step_stacks), state.packs, take(leaves, prog.param_pos),
             take(leaves, prog.check_pos), gs, state.step)
     except TypeError:
@@ -267,22 +286,22 @@ def _tie_sums(prog: Program, xs: tuple, grads: tuple) -> tuple[list[tuple], list
         per_tree = []
         for t, tree in enumerate(grads):
             gs = []
-            for k, f in prog.grad_slots[t][a]:
-                g = _prep_grad(tree[k], x, prog.grad_paths[t][k], f)
+            for slot in prog.grad_slots[t][a]:
+                f = slot.transform
+                g = _prep_grad(tree[slot.leaf], x, prog.grad_paths[t][slot.leaf], f)
                 gs.append(g if f is None else jax.vjp(f, x)[1](g)[0])
             per_tree.append(functools.reduce(operator.add, gs).astype(x.dtype) if gs else jnp.zeros(x.shape, x.dtype))
             if t == 0:
-                plain = 0 < len(gs) <= 2 and all(f is None for _, f in prog.grad_slots[0][a])
+                plain = 0 < len(gs) <= 2 and all(slot.transform is None for slot in prog.grad_slots[0][a])
                 parts.append(tuple(gs) if plain else (per_tree[0],))
         summed.append(tuple(per_tree))
     return summed, parts
 
 
-def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, stored: tuple, packs: tuple,
+def _core(prog: Program, wants: Wants, rules: tuple, stored: tuple, packs: tuple,
           params: tuple, checks: tuple, grads: tuple, step: Any):
     """The traced step, as Optimisers.jl's `update!(Tied)`: check the arrays, sum each tie's gradients, step each
     rule's stacks (the engine, `optim._engine.strategies.run`), write the new values back."""
-    want_grads, want_stats, in_place, traced = wants
     _check(prog, params, checks)
     summed, parts = _tie_sums(prog, params, grads)
     for a, u in enumerate(prog.graded):
@@ -294,22 +313,23 @@ def _core(prog: Program, wants: tuple[bool, bool, bool, bool], rules: tuple, sto
     rules = resolve(tuple(unwrap(r) for r in rules), step)
     # Traced, a tied parameter's other positions are outputs of the caller's program too: per stepping
     # parameter, the arrays at those positions (see `optim._engine.xla.mirrors`), else nothing.
-    mirrors = [tuple(checks[k] for k in ks) if traced else () for ks in prog.mirror_pos]
+    mirrors = [tuple(checks[k] for k in ks) if wants.traced else () for ks in prog.mirror_pos]
     steps = []
-    for r, js, members in prog.by_rule:
-        plans = [prog.stack_plan[j] for j in js]
+    for by in prog.by_rule:
+        plans = [prog.stack_plan[j] for j in by.stacks]
         request = engine.Request(
-            prog.layout, rules[r], tuple(prog.step_stacks[j] for j in js), tuple(p[0] for p in plans), members,
-            tuple(stored[j] for j in js), packs,
-            params=tuple(tuple(params[a] for a in p[1]) for p in plans),
-            grads=tuple(tuple(summed[a] for a in p[1]) for p in plans),
-            parts=tuple(tuple(parts[a] for a in p[1]) for p in plans),
-            mirrors=tuple(tuple(mirrors[a] for a in p[2]) for p in plans), in_place=in_place)
-        steps.append((js, request, engine.run(request)))
+            layout=prog.layout, rule=rules[by.rule], stacks=tuple(prog.step_stacks[j] for j in by.stacks),
+            rows=tuple(p.rows for p in plans), members=by.members, stored=tuple(stored[j] for j in by.stacks),
+            packs=packs,
+            params=tuple(tuple(params[a] for a in p.graded) for p in plans),
+            grads=tuple(tuple(summed[a] for a in p.graded) for p in plans),
+            parts=tuple(tuple(parts[a] for a in p.graded) for p in plans),
+            mirrors=tuple(tuple(mirrors[a] for a in p.stepping) for p in plans), in_place=wants.in_place)
+        steps.append(Steps(stacks=by.stacks, request=request, result=engine.run(request)))
     new_stored, new_params, new_mirrors, new_packs = _write_back(prog, packs, steps)
     copies = [t.f(new_params[a]) for a, u in enumerate(prog.stepping) for t in prog.layout.params[u].transforms]
-    grads_out = tuple(s[0] for s in summed) if want_grads else ()
-    norms = stats.norms(prog, _squares(prog, steps, new_params), params, checks) if want_stats else ()
+    grads_out = tuple(s[0] for s in summed) if wants.grads else ()
+    norms = stats.norms(prog, _squares(prog, steps, new_params), params, checks) if wants.stats else ()
     # A strong int32, whatever `step` came in as, so the next call's signature is the same (no retrace).
     return (new_stored, new_packs, tuple(new_params) + tuple(copies) + tuple(y for m in new_mirrors for y in m),
             jnp.asarray(step, jnp.int32) + jnp.int32(1), grads_out, norms)
@@ -324,7 +344,7 @@ def _check(prog: Program, params: tuple, checks: tuple) -> None:
         _check_param(x, lay, lay.params[u].canonical)
 
 
-def _write_back(prog: Program, packs: tuple, steps: list) -> tuple[tuple, list, list, dict]:
+def _write_back(prog: Program, packs: tuple, steps: list[Steps]) -> tuple[tuple, list, list, dict]:
     """The engine's results in `_core`'s output order: the new stored stacks (per stepping stack); per stepping
     parameter its new value and its tied positions' values (`optim._engine.xla.mirrors`); the pack groups
     written (`{group: arrays}`)."""
@@ -332,26 +352,27 @@ def _write_back(prog: Program, packs: tuple, steps: list) -> tuple[tuple, list, 
     new_params: list = [None] * len(prog.stepping)
     new_mirrors: list = [()] * len(prog.stepping)
     pack_rows: list = []
-    for js, _, result in steps:
-        for j, st, new, ms in zip(js, result.stored, result.params, result.mirrors):
+    for part in steps:
+        result = part.result
+        for j, st, new, ms in zip(part.stacks, result.stored, result.params, result.mirrors):
             new_stored[j] = st
-            for a, x, m in zip(prog.stack_plan[j][2], new, ms):
+            for a, x, m in zip(prog.stack_plan[j].stepping, new, ms):
                 new_params[a] = x
                 new_mirrors[a] = m
         # Whole pack groups, each from one array (see `optim._engine.xla.rule_step`).
-        pack_rows += [(k, t, tuple(range(np.shape(a)[0])), a) for k, group in result.packs.items()
-                      for t, a in enumerate(group)]
+        pack_rows += [PackRows(group=k, leaf=t, rows=tuple(range(np.shape(a)[0])), values=a)
+                      for k, group in result.packs.items() for t, a in enumerate(group)]
     return tuple(new_stored), new_params, new_mirrors, assemble(packs, pack_rows)
 
 
-def _squares(prog: Program, steps: list, new_params: list) -> list:
+def _squares(prog: Program, steps: list[Steps], new_params: list) -> list:
     """For `return_stats`: per stepping stack, its rows' squared norms of the gradient, the old and the new value
     (the new ones as written, so the step is not recomputed): a few kernels per stack, not per parameter."""
     squares: list = [None] * len(prog.step_stacks)
-    for js, request, _ in steps:
-        for j, x, g in zip(js, request.params, request.grads):
+    for part in steps:
+        for j, x, g in zip(part.stacks, part.request.params, part.request.grads):
             squares[j] = stats.row_squares(stack_arrays([d[0] for d in g]), stack_arrays(list(x)),
-                                           stack_arrays([new_params[a] for a in prog.stack_plan[j][2]]))
+                                           stack_arrays([new_params[a] for a in prog.stack_plan[j].stepping]))
     return squares
 
 
@@ -378,7 +399,7 @@ def _jitted(prog: Program, k: int) -> Any:
     return f
 
 
-def _core_of(ref: weakref.ref, wants: tuple[bool, bool, bool, bool], rules: tuple, stacks: tuple, packs: tuple,
+def _core_of(ref: weakref.ref, wants: Wants, rules: tuple, stacks: tuple, packs: tuple,
              params: tuple, checks: tuple, grads: tuple, step: Any):
     return _core(ref(), wants, rules, stacks, packs, params, checks, grads, step)
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from . import fused_kinds as kinds, fused_load, strategies, xla as xla
 from .kernel_choice import kernel_or_xla
-from .pack import assemble, is_packed
+from .pack import PackRows, assemble, is_packed
 from .stack import KERNEL_FLOATS, row_index, traced_sharded
 from .._rules.average import EMA
 from .._rules.protocol import Gated, apply_all, formula_of
@@ -163,8 +163,8 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
            norm: jax.Array | None = None):
     """The gating wrappers' own code on the stepping members (`members`: `(stack, member, row)`) around a rule
     that has no state (`_Inside`): per member its flag (a bool array: the wrappers' flags together), and their
-    new states, written as pack rows `[(group, leaf, rows of the pack, values)]` and, for a state leaf that is not
-    packed, in the new `extras` (per stack each gate's own state, stored form).
+    new states, written as pack rows (`PackRows`) and, for a state leaf that is not packed, in the new `extras`
+    (per stack each gate's own state, stored form).
 
     The wrappers see each stack's stepping rows as one entry when they only ask whether the gradients are finite
     (`SkipNonFinite`: a few operations per stack), else each member as an entry, a stack of one (a norm over
@@ -227,7 +227,8 @@ def _gates(plan: _Plan, extras: list, rows: list, members: list, xs: list, sums:
             value = jnp.concatenate(col) if len(col) > 1 else col[0]
             value = value.astype(jnp.dtype(packs[a.group][a.leaf].dtype if is_packed(a) else a.dtype))
             if is_packed(a):
-                pack_rows.append((a.group, a.leaf, tuple(a.start + r for r in rows[i]), value))
+                pack_rows.append(PackRows(group=a.group, leaf=a.leaf, rows=tuple(a.start + r for r in rows[i]),
+                                          values=value))
                 out.append(a)
             else:
                 out.append(jnp.asarray(a).at[row_index(tuple(rows[i]))].set(value))

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .pack import PackRows
 from .stack import row_index
 from .._rules.adam import nadam_factors, rectification
 from .._rules.adopt import clip_bound
@@ -109,8 +110,8 @@ _COLUMNS = ("lr", "b1", "b2", "eps", "c1", "c2", "wd", "gs", "f", "d", "ok", "k2
 
 def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.Array | None) -> tuple:
     """The call's members' values of their packed state leaf `j` (their rows of the packs, read per pack group, in
-    call order), their new values `new(old)` in the same order, and those as pack rows `[(group, leaf, rows of
-    the pack, values)]` (the old ones where `ok`, a flag per member, is false: a skipped step keeps its state)."""
+    call order), their new values `new(old)` in the same order, and those as pack rows (`PackRows`; the old ones
+    where `ok`, a flag per member, is false: a skipped step keeps its state)."""
     runs, olds, news, writes, at = [], [], [], [], 0
     for i, _, r in call:
         p = flat[i][0][j]
@@ -118,15 +119,15 @@ def _pack_step(call: list, flat: list, packs: tuple, j: int, new: Any, ok: jax.A
             runs[-1][1].append(p.start + r)
         else:
             runs.append(((p.group, p.leaf), [p.start + r]))
-    for (g, leaf), rows in runs:
-        old = packs[g][leaf][row_index(tuple(rows))]
+    for (group, leaf), rows in runs:
+        old = packs[group][leaf][row_index(tuple(rows))]
         olds.append(old)
         values = new(old)
         news.append(values)
         if ok is not None:
             values = jnp.where(ok[at:at + len(rows)].reshape((-1,) + (1,) * (old.ndim - 1)), values, old)
         at += len(rows)
-        writes.append((g, leaf, tuple(rows), values))
+        writes.append(PackRows(group=group, leaf=leaf, rows=tuple(rows), values=values))
     def joined(parts):
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 

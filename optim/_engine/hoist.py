@@ -26,14 +26,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .._base.cache import LRU
 from . import strategies
-from .pack import SMALL, fill, is_packed, split_rows
+from .pack import SMALL, PackRows, fill, is_packed, split_rows
 from .stack import row_index, take_rows, traced_sharded
 from .._rules.protocol import apply_all, looks_across
 from .._rules.split import key as split_key
@@ -55,6 +55,20 @@ class Split:
     key: str                   # the known part's text: stacks with equal keys share one evaluation
     out_def: Any               # treedef of (new state, step)
     same_structure: bool       # the new state has the old one's structure (its leaves are the old ones', in order)
+
+
+class _Hoisted(NamedTuple):
+    """One stack whose step `run` splits: its index among the stacks given, its split, its packed leaves'
+    placeholders and their positions among its state's leaves, its stepping rows' rows in the pack group, its
+    other state leaves (the stepping rows) and its state's treedef."""
+
+    stack: int
+    split: Split
+    holders: list              # the `Packed` placeholders of its small leaves, all in one pack group
+    small_at: tuple[int, ...]  # their indices among the state's leaves
+    in_pack: tuple[int, ...]   # its stepping rows' rows in the pack group's arrays
+    wides: list
+    state_def: Any
 
 
 # Per (rule structure, avals): a model has a few hundred distinct parameter kinds at most.
@@ -167,7 +181,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
     `sizes[i]` its number of members, `xs[i]` / `dxs[i]` the stepping rows' parameters and gradients.
     Returns `(results, pack_rows)`: per stack `(its stepping rows' new state in stored form, step)`, or None
     where it was not hoisted (the caller runs it as usual), and `[(group, leaf, rows of the pack, new values)]`
-    for the packs."""
+    (`PackRows`) for the packs."""
     results: list = [None] * len(stored)
     rule_leaves = jax.tree.leaves(rule)
     try:
@@ -178,7 +192,7 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
     if any(traced_sharded(a) for a in rule_leaves):
         _log.debug("optim: %s's step is not hoisted (a sharded hyperparameter)", type(rule).__name__)
         return results, []
-    chunks: dict = {}        # (pack group, known part) -> [plan per stack]
+    chunks: dict = {}        # (pack group, known part) -> [_Hoisted per stack]
     for i, tree in enumerate(stored):
         leaves, state_def = jax.tree_util.tree_flatten(tree, is_leaf=is_packed)
         small_at = tuple(k for k, a in enumerate(leaves) if is_packed(a))
@@ -199,14 +213,15 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         if not sp or not sp.same_structure:
             continue         # nothing to hoist, or a new state of another structure: not ours to rearrange
         in_pack = tuple(holders[0].start + r for r in rows[i])
-        chunks.setdefault((group, sp.key), []).append((i, sp, holders, small_at, in_pack, wides, state_def))
+        chunks.setdefault((group, sp.key), []).append(_Hoisted(stack=i, split=sp, holders=holders, small_at=small_at,
+                                                               in_pack=in_pack, wides=wides, state_def=state_def))
 
     pack_rows: list = []
     for (group, _), plans in chunks.items():
         # The known part once for these stacks: vmapped over them, each stack's rows of the packs as one entry.
-        sp, holders, small_at = plans[0][1], plans[0][2], plans[0][3]
-        all_rows = sum((p[4] for p in plans), ())
-        m = len(plans[0][4])
+        sp, holders, small_at = plans[0].split, plans[0].holders, plans[0].small_at
+        all_rows = sum((p.in_pack for p in plans), ())
+        m = len(plans[0].in_pack)
         smalls = [packs[group][h.leaf][row_index(all_rows)] for h in holders]
         smalls = [a.reshape((len(plans), m) + a.shape[1:]) for a in smalls]
         known = jax.extend.core.jaxpr_as_fun(sp.known)
@@ -219,9 +234,10 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
         # Output k of the step is state leaf k while k < the state's leaf count (the state comes first).
         at = np.cumsum(sp.out_known) - 1
         whole = {k: int(at[k]) for k in small_at if sp.out_known[k] and sp.batched[at[k]]}
-        for s, (i, sp_i, _, _, _, wides, state_def) in enumerate(plans):
+        for s, plan in enumerate(plans):
+            i, sp_i = plan.stack, plan.split
             unknown = jax.extend.core.jaxpr_as_fun(sp_i.unknown)
-            u_outs = iter(unknown(*per[s], *wides, xs[i], *dxs[i]))
+            u_outs = iter(unknown(*per[s], *plan.wides, xs[i], *dxs[i]))
             flat = []
             for k, kn in enumerate(sp_i.out_known):
                 if not kn:
@@ -232,16 +248,18 @@ def run(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs: list, p
             new_state, step = jax.tree_util.tree_unflatten(sp_i.out_def, flat)
             new_leaves = jax.tree.leaves(new_state)
             new_wides = []
-            for k in range(state_def.num_leaves):
+            for k in range(plan.state_def.num_leaves):
                 if k not in small_at:
                     new_wides.append(new_leaves[k])
                 elif k not in whole:      # computed from the gradients (a gated step): written per stack
-                    pack_rows.append((group, holders[small_at.index(k)].leaf, plans[s][4], new_leaves[k]))
+                    pack_rows.append(PackRows(group=group, leaf=holders[small_at.index(k)].leaf, rows=plan.in_pack,
+                                              values=new_leaves[k]))
             results[i] = (_stored_form(stored[i], new_wides), step)
         # New packed leaves computed by the known part: one array for all these stacks' rows.
         for k, o in whole.items():
             v = known_outs[o]
-            pack_rows.append((group, holders[small_at.index(k)].leaf, all_rows, v.reshape((-1,) + v.shape[2:])))
+            pack_rows.append(PackRows(group=group, leaf=holders[small_at.index(k)].leaf, rows=all_rows,
+                                      values=v.reshape((-1,) + v.shape[2:])))
     return results, pack_rows
 
 
@@ -249,7 +267,7 @@ def step_stacks(rule: Any, stored: list, rows: list, sizes: list, xs: list, dxs:
     """Run `rule` on some stacks (as `apply_all`), in the stored form: per stack `i`, `stored[i]` is its stored
     tree, `rows[i]` its stepping rows, `sizes[i]` its number of members, `xs[i]` / `dxs[i]` the stepping rows'
     parameters and gradients. Returns `(per stack (new state of its stepping rows, stored form; step),
-    new pack rows [(group, leaf, rows of the pack, values)])`.
+    new pack rows (`PackRows`))`.
 
     A rule that does not look across parameters is split (`run`); one that does runs as a whole, reading its
     packed rows, except that a chain's leading stateless stages that look across (`ClipGlobalNorm`) run first

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ import numpy as np
 
 from .._base.export import register_for_export
 
-__all__ = ["Packed", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
+__all__ = ["Packed", "PackRows", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
            "declared_small"]
 
 SMALL = 8               # elements per parameter: bt (2), counts (1); Adafactor's row statistics are not small
@@ -53,6 +53,15 @@ class Packed:
     start: int
     stop: int
     ndim: int
+
+
+class PackRows(NamedTuple):
+    """New values for some rows of one packed leaf: rows `rows` of array `leaf` of pack group `group`."""
+
+    group: int
+    leaf: int
+    rows: tuple[int, ...]
+    values: Any                # one row per entry of `rows`
 
 
 # A node without children, flattened and rebuilt by JAX's C++ (a dataclass node: no Python call per flatten).
@@ -93,7 +102,7 @@ def declared_small(tree: Any) -> list[bool]:
 
 
 def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]:
-    """Stored stacks and packs from per-stack trees. `member_shapes[g]`: per leaf of stack `g` (flatten order),
+    """Stored stacks and packs from per-stack trees. `member_shapes[s]`: per leaf of stack `s` (flatten order),
     one parameter's shape of that leaf, or None when unknown (the stack is then stored as it is).
 
     Stacks whose leaves do not have the expected `(members, *shape)` form (a state with batch axes from
@@ -102,18 +111,19 @@ def pack(layout: Any, stacks: tuple, member_shapes: list) -> tuple[tuple, tuple]
     rows: list[int] = []      # rows so far per group
     parts: list[list[list]] = []   # per group, per small leaf: the stacks' arrays
     stored = []
-    for g, (stack, shapes) in enumerate(zip(stacks, member_shapes)):
+    for s, (stack, shapes) in enumerate(zip(stacks, member_shapes)):
         leaves, treedef = _leaves(stack)
-        members = layout.stacks[g]
+        members = layout.stacks[s]
         n = len(members)
         p = layout.params[members[0]]
         if shapes is None or any(is_packed(a) for a in leaves) or len(shapes) != len(leaves):
             stored.append(stack)
             continue
         small = []
-        for i, (a, s, declared) in enumerate(zip(leaves, shapes, declared_small(stack))):
-            if (s is not None and hasattr(a, "shape") and tuple(a.shape) == (n, *s) and math.prod(s) <= SMALL
-                    and (declared or tuple(s) != tuple(p.shape) or not jnp.issubdtype(a.dtype, jnp.inexact))):
+        for i, (a, shape, declared) in enumerate(zip(leaves, shapes, declared_small(stack))):
+            if (shape is not None and hasattr(a, "shape") and tuple(a.shape) == (n, *shape)
+                    and math.prod(shape) <= SMALL
+                    and (declared or tuple(shape) != tuple(p.shape) or not jnp.issubdtype(a.dtype, jnp.inexact))):
                 small.append(i)
         if not small:
             stored.append(stack)
@@ -189,14 +199,14 @@ def fill(stack: Any, packs: tuple) -> Any:
 
 def split_rows(stored: Any, rows: tuple, new: Any) -> tuple[Any, list]:
     """New state rows `new` (per-stack form, the stepping `rows` of the stack whose stored tree is `stored`) in
-    stored form (placeholders kept), and their packed leaves as new pack rows: `[(group, leaf, rows, array)]`."""
+    stored form (placeholders kept), and their packed leaves as new pack rows (`PackRows`)."""
     leaves, treedef = _leaves(stored)
     if not any(is_packed(a) for a in leaves):
         return new, []
     written, out = [], []
     for a, b in zip(leaves, jax.tree.leaves(new)):
         if is_packed(a):
-            written.append((a.group, a.leaf, tuple(a.start + r for r in rows), b))
+            written.append(PackRows(group=a.group, leaf=a.leaf, rows=tuple(a.start + r for r in rows), values=b))
             out.append(a)
         else:
             out.append(b)
@@ -204,7 +214,7 @@ def split_rows(stored: Any, rows: tuple, new: Any) -> tuple[Any, list]:
 
 
 def pinned(rows: list, stored: list, shardings: list) -> list:
-    """New pack rows `[(group, leaf, rows, array)]` (from `split_rows` or `optim._engine.hoist`) constrained to
+    """New pack rows (`PackRows`, from `split_rows` or `optim._engine.hoist`) constrained to
     where their packs live, for the stacks (stored trees `stored`) with a requested state sharding
     (`shardings[i]`, `setup(..., state_sharding=fn)`; None for none): replicated over its mesh, as every small
     state array is. A rule reading sharded state can compute some small leaves sharded (Adafactor's row
@@ -218,17 +228,17 @@ def pinned(rows: list, stored: list, shardings: list) -> list:
         places = None if s is None else stack_shardings(s)
         if places is not None:
             rep.update((a.group, places[1]) for a in jax.tree.leaves(tree, is_leaf=is_packed) if is_packed(a))
-    return [(k, t, r, constrain(a, rep[k]) if k in rep else a) for k, t, r, a in rows]
+    return [r._replace(values=constrain(r.values, rep[r.group])) if r.group in rep else r for r in rows]
 
 
 def assemble(packs: tuple, rows: list) -> dict:
-    """The pack groups that get new rows, with them written: `{group: new arrays}`. `rows` is
-    `[(group, leaf, rows, array)]` (from `split_rows` or `optim._engine.hoist`, disjoint); rows not written keep
+    """The pack groups that get new rows, with them written: `{group: new arrays}`. `rows`: a list of
+    `PackRows` (from `split_rows` or `optim._engine.hoist`, disjoint); rows not written keep
     their old values. A pack whose rows all come in order from one array is that array; contiguous runs are concatenated
     with the old rows between them, other rows scattered."""
     by_leaf: dict = {}
-    for k, t, r, a in rows:
-        by_leaf.setdefault((k, t), []).append((tuple(r), a))
+    for r in rows:
+        by_leaf.setdefault((r.group, r.leaf), []).append((tuple(r.rows), r.values))
     out = {}
     for k, group in enumerate(packs):
         if not any((k, t) in by_leaf for t in range(len(group))):

@@ -55,12 +55,12 @@ class Request(NamedTuple):
     @property
     def firsts(self) -> list:
         """Per stack, the `Param` of its first member (all members share shape, dtype and placement)."""
-        return [self.layout.params[self.layout.stacks[g][0]] for g in self.stacks]
+        return [self.layout.params[self.layout.stacks[s][0]] for s in self.stacks]
 
     @property
     def sizes(self) -> list[int]:
         """Per stack, its number of members (stepping or not)."""
-        return [len(self.layout.stacks[g]) for g in self.stacks]
+        return [len(self.layout.stacks[s]) for s in self.stacks]
 
     @property
     def n_trees(self) -> int:

@@ -113,7 +113,7 @@ def _template(state: State) -> tuple[Any, tuple[bool, ...]]:
         return jax.tree.map(lambda a: stacked(a, shape), stack)
 
     marked = State(lay, jax.tree.map(lambda _: False, state.rules),
-                   tuple(mark(s, lay.params[lay.stacks[g][0]].shape) for g, s in enumerate(state.stored)),
+                   tuple(mark(st, lay.params[lay.stacks[s][0]].shape) for s, st in enumerate(state.stored)),
                    False, jax.tree.map(lambda _: False, state.packs))
     leaves, treedef = jax.tree.flatten(marked)
     return treedef, tuple(leaves)

@@ -144,8 +144,8 @@ def load_state_dict(like_state: State, tree: Mapping) -> State:
     # Every parameter's leaves, checked against like_state's per-parameter state (per stack: its members share
     # one rule, shape and dtype), before anything is built.
     columns_of: list = []           # per stack: its treedef, the stack axis of each leaf, and per leaf its rows
-    for g, stack in enumerate(lay.stacks):
-        like_def, members = _member_abstract(like_state, g)
+    for s, stack in enumerate(lay.stacks):
+        like_def, members = _member_abstract(like_state, s)
         columns: list = [[] for _ in members]
         for u in stack:
             path = paths[u]
@@ -214,12 +214,12 @@ def _describe(a: Any) -> str:
     return describe(a) if _shape_dtype(a)[0] is not None else f"a {type(a).__name__} ({a!r})"
 
 
-def _member_abstract(state: State, g: int) -> tuple[Any, list[tuple]]:
-    """Stack `g`'s per-parameter state: its treedef and, per leaf, (shape, dtype, the stack's axis), where the
+def _member_abstract(state: State, s: int) -> tuple[Any, list[tuple]]:
+    """Stack `s`'s per-parameter state: its treedef and, per leaf, (shape, dtype, the stack's axis), where the
     stack axis comes after any leading axes a `vmap` / `pmap` of the whole state added (see
     `State.param_state`)."""
-    u = state.layout.stacks[g][0]
-    leaves, treedef = jax.tree_util.tree_flatten(state.stacks[g])
+    u = state.layout.stacks[s][0]
+    leaves, treedef = jax.tree_util.tree_flatten(state.stacks[s])
     out = []
     for a, nd in zip(leaves, member_ndims(state, u, treedef)):
         axis = np.ndim(a) - nd - 1
