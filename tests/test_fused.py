@@ -393,8 +393,8 @@ def test_not_used_where_it_does_not_apply(monkeypatch):
 @pytest.mark.parametrize("name", ["Adam", "RAdam", "AdEMAMix", "EMA(AdaBelief)", "SkipNonFinite(AdamW)"])
 def test_a_parameter_shaped_like_the_powers_runs_in_the_kernel(name, monkeypatch):
     """A 2-element parameter is shaped like the Adam family's powers `bt` = (β₁ᵗ, β₂ᵗ). The state declares `bt`
-    small (`AdamState._small`), so it is packed whatever the parameter's shape, and every stack of the rule runs
-    in the kernel (`bt` was stored per stack for `b`, and the kernel refused the whole rule)."""
+    small (`bt: Small`, `optim.fields`), so it is packed whatever the parameter's shape, and every stack of the
+    rule runs in the kernel (`bt` was stored per stack for `b`, and the kernel refused the whole rule)."""
     rule = RULES[name]
     m0 = {"a": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.asarray([0.25, -0.75])}
     assert uses_kernel_on(rule, m0, m0)
@@ -412,15 +412,50 @@ def test_a_parameter_shaped_like_the_powers_runs_in_the_kernel(name, monkeypatch
     assert_ulp(optim.state_dict(state), optim.state_dict(want_state), ulps=KERNEL[name].state_ulps)
 
 
+def test_a_two_element_parameter_leaves_the_large_ones_in_the_kernel(monkeypatch, caplog):
+    """Issue 50 item 4: a model of large matrices and one 2-element parameter under Adam. The small parameter's
+    `bt` has its shape; it is declared small, so it is packed, and the kernel takes every stack of the rule, the
+    matrices included (judged by shape, `bt` was stored per stack and the kernel refused the whole rule: the
+    matrices went to XLA's path)."""
+    key = iter(jax.random.split(jax.random.key(0), 3))
+    m0 = {"w": jax.random.normal(next(key), (96, 80)), "v": jax.random.normal(next(key), (48, 130)),
+          "b": jnp.asarray([0.25, -0.75])}
+    g = jax.tree.map(lambda a: jnp.cos(3 * a), m0)
+
+    def refusals():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="optim"):
+            used = uses_kernel_on(optim.Adam(0.01), m0, g)
+        return used, [r.getMessage() for r in caplog.records if "fused CPU kernel does not run" in r.getMessage()]
+
+    assert refusals() == (True, [])
+    state = optim.setup(optim.Adam(0.01), m0)
+    assert all(isinstance(st.bt, _pack.Packed) for st in state.stored)    # the 2-element one's bt too
+
+    def run(fused):
+        monkeypatch.setattr(_fused, "ENABLED", fused)
+        s, m = optim.setup(optim.Adam(0.01), m0), m0
+        for t in range(3):
+            s, m = optim.update(s, m, jax.tree.map(lambda a: a * (t + 1), g))
+        return m
+
+    assert_ulp(run(True), run(False))
+    monkeypatch.setattr(_fused, "ENABLED", True)
+
+    # The failure it fixes: judged by its shape, the 2-element parameter's bt is not packed, and the kernel
+    # refuses the whole rule, saying why.
+    monkeypatch.setattr(_pack, "small_fields", lambda cls: ())
+    used, why = refusals()
+    assert not used and any(".bt is not packed (it is float32[1, 2]" in w for w in why), why
+
+
 def test_each_refusal_names_its_cause(monkeypatch, caplog):
     """The kernel's refusals of a stack's state each say what is wrong (they shared "a state of another
     structure"): a tree that is not the rule's wrappers around its state, a core state of other leaves, an array
     where the kernel reads a packed leaf or the reverse, a gate's own state that is not numbers per parameter."""
-    from optim._rules.adam import AdamState
-
     # A state that does not declare its small leaves: a bt shaped like the parameter is not packed (pack.py's
     # fallback), and the debug log names the leaf.
-    monkeypatch.delattr(AdamState, "_small")
+    monkeypatch.setattr(_pack, "small_fields", lambda cls: ())
     m = {"a": jnp.ones(3), "b": jnp.ones(2), "only_here_undeclared": jnp.ones(13)}
     with caplog.at_level(logging.DEBUG, logger="optim"):
         optim.update(optim.setup(optim.Adam(0.01), m), m, m)

@@ -12,9 +12,9 @@ placeholder: a pytree node without children, so the plan (which pack, which rows
 static and compared by value. `fill` puts the rows back (slices); `update` instead runs the rule's small
 arithmetic once per pack group on whole packs (`optim._engine.hoist`).
 
-Which leaves are small is the state's to say: a state class (a named tuple) lists its fields that hold a few
-numbers per parameter, whatever the parameter's shape, in a class attribute `_small` (`AdamState._small =
-("bt",)`); every leaf under such a field is small when one parameter's part of it has at most `SMALL` elements
+Which leaves are small is the state's to say: a state class (a named tuple) marks its fields that hold a few
+numbers per parameter, whatever the parameter's shape, with the annotation `optim.fields.Small` (`AdamState`'s
+`bt: Small`); every leaf under such a field is small when one parameter's part of it has at most `SMALL` elements
 (`declared_small`). This holds for any parameter: a 2-element parameter's `bt` is shaped like it, and still small
 (the kernel reads `bt` from packs, optim._engine.fused_kinds, so an unpacked one would send every stack of the
 rule to XLA's path). A leaf no class declares (a user's rule, a dict state) is small by the fallback: at most
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base.export import register_for_export
+from .._rules.fields import small_fields
 
 __all__ = ["Packed", "PackRows", "SMALL", "PACK_MAX_ROWS", "pack", "fill", "is_packed", "split_rows", "assemble",
            "declared_small"]
@@ -78,13 +79,12 @@ def _leaves(tree: Any) -> tuple[list, Any]:
 
 
 def _declares(node: Any) -> bool:
-    return (isinstance(node, tuple) and hasattr(type(node), "_fields")
-            and isinstance(getattr(type(node), "_small", None), tuple))
+    return isinstance(node, tuple) and bool(small_fields(type(node)))
 
 
 def declared_small(tree: Any) -> list[bool]:
     """Per leaf of a state tree (flatten order, `Packed` placeholders as leaves): whether it lies under a field
-    that its state class declares small (`_small`, a tuple of field names on a named tuple), at any depth (an
+    that its state class declares small (annotated `optim.fields.Small`, `small_fields`), at any depth (an
     `EMAState`'s inner `AdamState`'s `bt`). A declared field's whole subtree is small; the other fields are
     searched for declarations of their own."""
     nodes, _ = jax.tree_util.tree_flatten(tree, is_leaf=lambda a: is_packed(a) or _declares(a))
@@ -93,7 +93,7 @@ def declared_small(tree: Any) -> list[bool]:
         if not _declares(node):
             out.append(False)          # a leaf (or a placeholder) that no state class declares
             continue
-        small, mine = type(node)._small, []
+        small, mine = small_fields(type(node)), []
         for name, field in zip(node._fields, node):
             mine += [True] * len(_leaves(field)[0]) if name in small else declared_small(field)
         # (a named tuple registered as a pytree of other children: its declaration is not read)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
-from .fields import flag, nonneg, static, unit
+from .fields import Small, flag, nonneg, static, unit
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, abs2, eps_of, pair_of, zeros_real, as_compute
@@ -25,34 +25,30 @@ class AdamState(NamedTuple):
     """The state of Adam, AdamW, NAdam and Lamb."""
     mu: Any              # first moment
     nu: Any              # second moment
-    bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small            # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
 
 
 @register_for_export
 class RAdamState(NamedTuple):
     mu: Any
     nu: Any
-    bt: Any
-    t: Any               # the step number, int32
-    _small = ("bt", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small
+    t: Small             # the step number, int32
 
 
 @register_for_export
 class AdaMaxState(NamedTuple):
     mu: Any
     u: Any               # exponentially weighted infinity norm
-    bt: Any
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small
 
 
 @register_for_export
 class OAdamState(NamedTuple):
     mu: Any
     nu: Any
-    bt: Any
+    bt: Small
     term: Any            # the previous step's term, T_prev
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
 
 
 @register_for_export
@@ -66,8 +62,7 @@ class AMSGradState(NamedTuple):
 class AdaBeliefState(NamedTuple):
     mu: Any
     s: Any               # the "belief" second moment of g - m
-    bt: Any
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small
 
 
 class Adam(StateDtypes, Rule):

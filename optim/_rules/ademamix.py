@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
-from .fields import nonneg, static, unit
+from .fields import Small, nonneg, static, unit
 from .moments import bt_init, bt_next, debias, load, moments, mu_zeros, nu_zeros, StateDtypes, store
 from .protocol import Rule, as_compute, eps_of
 from .schedules import Hyper
@@ -24,8 +24,7 @@ class AdEMAMixState(NamedTuple):
     mu: Any              # the fast first moment m₁ (decay β₁, bias-corrected)
     mu_slow: Any         # the slow first moment m₂ (decay β₃, not bias-corrected)
     nu: Any              # second moment
-    bt: Any              # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small            # products (∏β₁, ∏β₂) of the steps taken, for the bias correction
 
 
 class AdEMAMix(StateDtypes, Rule):

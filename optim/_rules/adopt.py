@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
-from .fields import flag, nonneg, static, unit
+from .fields import Small, flag, nonneg, static, unit
 from .moments import load, mu_zeros, nu_zeros, StateDtypes, store
 from .protocol import Rule, abs2, as_compute, eps_of, pair_of, where
 from .quantized import QuantizedArray
@@ -24,8 +24,7 @@ class ADOPTState(NamedTuple):
     """The state of ADOPT."""
     mu: Any              # first moment of the normalised gradients
     nu: Any              # second moment of the gradients
-    t: Any               # the number of steps taken, int32 (0: the next one only sets nu)
-    _small = ("t",)      # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    t: Small             # the number of steps taken, int32 (0: the next one only sets nu)
 
 
 def clip_bound(t, dtype):

@@ -8,14 +8,20 @@
 Each is `dataclasses.field(default=..., metadata={KEY: contract})`. `Rule.__init_subclass__` reads the contracts
 (`contract_tuples`) into the class tuples `_static`, `_nonneg`, ... that the constructor, `adjust` and the pytree
 registration read, merged with any tuples a class declares by hand (the older form, still accepted).
+
+A rule's state is a named tuple; its fields that hold a few numbers per parameter, whatever the parameter's
+shape, carry the annotation `Small` (`bt: Small`), read by `small_fields`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+import typing
+from typing import Annotated, Any
 
-__all__ = ["nonneg", "initial", "unit", "decay", "signed", "count", "steps", "static", "flag"]
+__all__ = ["nonneg", "initial", "unit", "decay", "signed", "count", "steps", "static", "flag", "Small",
+           "small_fields"]
 
 KEY = "optim"   # the metadata key; its value is one contract, a key of TUPLES
 
@@ -86,6 +92,35 @@ def static(default: Any = dataclasses.MISSING) -> Any:
 def flag(default: Any = dataclasses.MISSING) -> Any:
     """A structural switch (static): True or False, nothing else (a string such as "no" would be true)."""
     return _field("flag", default)
+
+
+_SMALL = "optim: a few numbers per parameter"
+
+Small = Annotated[Any, _SMALL]
+"""The annotation of a state field that holds a few numbers per parameter, whatever the parameter's shape:
+`bt: Small` in `AdamState` (the products of the decay rates, 2 per parameter), step counts. A state is a named
+tuple, whose fields carry no defaults to mark, so the mark is the field's type. Such leaves are packed, many
+parameters' rows in one array (`optim._engine.pack`), also where one parameter's part happens to have the
+parameter's shape (a 2-element parameter's `bt`), and the fused CPU kernel reads them only from packs."""
+
+
+@functools.lru_cache(maxsize=1024)
+def small_fields(cls: type) -> tuple[str, ...]:
+    """The fields of state class `cls` (a named tuple) annotated `Small`, in field order, with any a class tuple
+    `_small = ("bt",)` lists (the older form, still read); `()` for a class that is not a named tuple."""
+    names = getattr(cls, "_fields", None)
+    if not isinstance(cls, type) or not issubclass(cls, tuple) or not isinstance(names, tuple):
+        return ()
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception:  # noqa: BLE001 (an annotation that does not resolve: read the text, `Small` or `x.Small`)
+        raw = {n: getattr(a, "__forward_arg__", a) for n, a in getattr(cls, "__annotations__", {}).items()}
+        marked = {n for n, a in raw.items() if isinstance(a, str) and a.rsplit(".", 1)[-1] == "Small"}
+    else:
+        marked = {n for n, h in hints.items() if typing.get_origin(h) is Annotated and _SMALL in h.__metadata__}
+    by_hand = getattr(cls, "_small", ())
+    marked |= set(by_hand if isinstance(by_hand, tuple) else ())
+    return tuple(n for n in names if n in marked)
 
 
 def declared(cls: type) -> dict[str, str]:

@@ -18,7 +18,7 @@ import numpy as np
 from . import hyper as _hyper
 from . import split as _devices
 from .._base.export import register_for_export
-from .fields import decay, nonneg, static, unit
+from .fields import Small, decay, nonneg, static, unit
 from .protocol import Rule, apply_one, as_compute, compute_dtype
 from .schedules import Hyper
 from .soap import _one_at_a_time, _replicated
@@ -33,9 +33,8 @@ class KronState(NamedTuple):
     """The state of Kron."""
     mu: Any              # the momentum (parameter's dtype)
     Qs: Any              # tuple: per axis its factor Q_i, upper-triangular (d x d) or diagonal (d), compute dtype
-    update_counter: Any  # steps since the preconditioner's last update, int32
-    count: Any           # the number of gradients seen, int32
-    _small = ("update_counter", "count")   # small values, whatever the parameter's shape: packed
+    update_counter: Small  # steps since the preconditioner's last update, int32
+    count: Small         # the number of gradients seen, int32
 
 
 def triangular_axes(shape: tuple[int, ...], max_size_triangular: int) -> tuple[bool, ...]:

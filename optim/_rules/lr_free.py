@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .._base.export import register_for_export
 from . import hyper as _hyper
-from .fields import flag, nonneg, unit
+from .fields import Small, flag, nonneg, unit
 from .protocol import Rule, abs2, apply_one, compute_dtype
 from .schedules import Hyper
 
@@ -71,10 +71,9 @@ class ProdigyState(NamedTuple):
     nu: Any              # v: the moving average of (d·g)²
     s: Any               # the weighted sum of the scaled gradients
     x0: Any              # the parameter at setup
-    d: Any               # the copy of the step size estimate d (0-d; not read while t = 0)
-    numerator: Any       # the copy of the weighted numerator r of d's estimate (0-d)
-    t: Any               # the number of whole-model steps this copy belongs to, int32
-    _small = ("d", "numerator", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    d: Small             # the copy of the step size estimate d (0-d; not read while t = 0)
+    numerator: Small     # the copy of the weighted numerator r of d's estimate (0-d)
+    t: Small             # the number of whole-model steps this copy belongs to, int32
 
 
 class Prodigy(Rule):
@@ -197,10 +196,9 @@ class Prodigy(Rule):
 class DoGState(NamedTuple):
     """The state of DoG (per parameter; `r`, `g2` and `t` are copies of global numbers)."""
     x0: Any              # the parameter at setup
-    r: Any               # the copy of r̄, the largest distance from x₀ so far (0-d)
-    g2: Any              # the copy of G, the sum of the squared gradient norms so far (0-d)
-    t: Any               # the number of whole-model steps this copy belongs to, int32
-    _small = ("r", "g2", "t")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    r: Small             # the copy of r̄, the largest distance from x₀ so far (0-d)
+    g2: Small            # the copy of G, the sum of the squared gradient norms so far (0-d)
+    t: Small             # the number of whole-model steps this copy belongs to, int32
 
 
 class DoG(Rule):

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._base.export import register_for_export
-from .fields import nonneg, unit
+from .fields import Small, nonneg, unit
 from .moments import bt_init, bt_next, debias, moments
 from .protocol import Rule, abs2, as_compute, eps_of, pair_of, zeros_real
 from .schedules import Hyper
@@ -24,8 +24,7 @@ class MARSState(NamedTuple):
     mu: Any              # first moment of the corrected gradients c
     nu: Any              # second moment of c
     g: Any               # the previous step's gradient (0 before the first step)
-    bt: Any              # the products (∏β₁, ∏β₂) of the decay rates of the steps taken
-    _small = ("bt",)     # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    bt: Small            # the products (∏β₁, ∏β₂) of the decay rates of the steps taken
 
 
 class MARS(Rule):

@@ -19,7 +19,7 @@ import numpy as np
 from . import hyper as _hyper
 from . import split as _devices
 from .._base.export import register_for_export
-from .fields import flag, nonneg, static, unit
+from .fields import Small, flag, nonneg, static, unit
 from .moments import load, mu_zeros, StateDtypes, store
 from .schedules import Hyper
 from .protocol import Rule, abs2, as_compute, real_dtype
@@ -136,8 +136,7 @@ def _axes(v: Any) -> tuple[int, ...] | None:
 @register_for_export
 class MuonState(NamedTuple):
     mu: Any              # the momentum
-    count: Any           # the parameter's number of steps, int32
-    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    count: Small         # the parameter's number of steps, int32
 
 
 class _Matrix(StateDtypes, Rule):
@@ -356,8 +355,7 @@ class Muon(_Matrix):
 class NorMuonState(NamedTuple):
     mu: Any              # the momentum
     nu: Any              # each output neuron's second moment: the parameter's shape, reduction axes of size 1
-    count: Any           # the parameter's number of steps, int32
-    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    count: Small         # the parameter's number of steps, int32
 
 
 class NorMuon(_Matrix):

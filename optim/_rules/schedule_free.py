@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base.export import register_for_export
-from .fields import nonneg, unit
+from .fields import Small, nonneg, unit
 from .hyper import is_concrete, is_schedule
 from .schedules import Hyper
 from .protocol import Rule, abs2, compute_dtype, eps_of, pair_of, zeros_real, as_compute
@@ -20,9 +20,8 @@ __all__ = ["ScheduleFreeAdamW"]
 class ScheduleFreeState(NamedTuple):
     z: Any               # the base sequence
     nu: Any              # the second moment
-    t: Any               # the number of the next step, int32
-    a: Any               # (S, η_max, β₁'): the averaging sum, the largest warmed-up η, the β₁ that built y
-    _small = ("t", "a")  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    t: Small             # the number of the next step, int32
+    a: Small             # (S, η_max, β₁'): the averaging sum, the largest warmed-up η, the β₁ that built y
 
 
 class ScheduleFreeAdamW(Rule):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from . import hyper as _hyper
 from . import split as _devices
 from .._base.export import register_for_export
-from .fields import count, flag, nonneg, static, steps, unit
+from .fields import Small, count, flag, nonneg, static, steps, unit
 from .protocol import Rule, apply_one, as_compute, compute_dtype, pair_of, where_leading
 from .schedules import Hyper
 from .soap import _one_at_a_time, _replicated
@@ -37,8 +37,7 @@ class ShampooState(NamedTuple):
     nu: Any              # the graft's second moment (parameter's real dtype; unused, zeros, with graft="sgd")
     factors: Any         # tuple: per axis, the statistics of every block (blocks x l x l, compute dtype)
     roots: Any           # tuple: per axis, their inverse roots (blocks x l x l, compute dtype)
-    count: Any           # the number of gradients seen, int32
-    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    count: Small         # the number of gradients seen, int32
 
 
 # ----------------------------------------------------------------------------------------------- blocks

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from . import hyper as _hyper
 from . import split as _devices
 from .._base.export import register_for_export
-from .fields import count, flag, nonneg, static, unit
+from .fields import Small, count, flag, nonneg, static, unit
 from .protocol import Rule, apply_one, as_compute, compute_dtype, eps_of, pair_of, where_leading
 from .schedules import Hyper
 
@@ -30,8 +30,7 @@ class SOAPState(NamedTuple):
     exp_avg_sq: Any      # second moment, in the rotated basis (parameter's real dtype)
     factors: Any         # tuple: per preconditioned axis, its Kronecker factor (d x d, compute dtype)
     bases: Any           # tuple: per preconditioned axis, the eigenbasis of its factor (d x d, compute dtype)
-    count: Any           # the number of gradients seen, int32 (0: the next one only builds factors and bases)
-    _small = ("count",)  # small values, whatever the parameter's shape: packed (optim._engine.pack)
+    count: Small         # the number of gradients seen, int32 (0: the next one only builds factors and bases)
 
 
 def preconditioned_axes(shape: tuple[int, ...], max_precond_dim: int, precondition_1d: bool) -> tuple[int, ...]:
