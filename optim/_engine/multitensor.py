@@ -11,8 +11,8 @@ the parameters and the stacks are updated in place.
 
 Three primitives carry the step from the rule to the kernel:
 
-- `adam_p(x, g, m, v, s)`: one parameter's step (Adam's arithmetic, `onepass._step`), bound by the one-pass
-  rules' `apply` (optim._engine.onepass) where the moments are float32 arrays;
+- `adam_p(x, g, m, v, s)`: one parameter's step (Adam's arithmetic, `_step`), bound by the one-pass rules'
+  `apply` (optim._engine.onepass) where the moments are float32 arrays;
 - `group_p`, the same on a stack: what `adam_p` becomes under the `vmap` of XLA's path over a stack;
 - `multi_p(*xs, *gs, m, v, s)`: the step of a group whose parameters and gradients are its members' own arrays
   and whose moments are the stacks. XLA's path evaluates a group's step member by member (optim._engine.members),
