@@ -16,9 +16,10 @@ shape, carry the annotation `Small` (`bt: Small`), read by `small_fields`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from typing import Annotated, Any
+
+from .._base.cache import memoize
 
 __all__ = ["nonneg", "initial", "unit", "decay", "signed", "count", "steps", "static", "flag", "Small",
            "small_fields"]
@@ -104,7 +105,7 @@ parameters' rows in one array (`optim._engine.pack`), also where one parameter's
 parameter's shape (a 2-element parameter's `bt`), and the fused CPU kernel reads them only from packs."""
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize(1024)
 def small_fields(cls: type) -> tuple[str, ...]:
     """The fields of state class `cls` (a named tuple) annotated `Small`, in field order, with any a class tuple
     `_small = ("bt",)` lists (the older form, still read); `()` for a class that is not a named tuple."""
