@@ -213,12 +213,6 @@ class _DeclaredPair(NamedTuple):
     c: optim.fields.Small
 
 
-class _ListedPair(NamedTuple):      # the older form: a class tuple of the small fields
-    m: Any
-    c: Any
-    _small = ("c",)
-
-
 class _PairRule(optim.Rule):
     lr: float = 0.1
     make = _Pair
@@ -235,19 +229,14 @@ class _DeclaredPairRule(_PairRule):
     make = _DeclaredPair
 
 
-class _ListedPairRule(_PairRule):
-    make = _ListedPair
-
-
 def test_a_state_that_declares_nothing_is_packed_by_shape():
     """A user's state that marks no field `Small`: a leaf of at most `SMALL` numbers per parameter is small when
     it is not shaped like the parameter (or not a float); one shaped like it is per element. Declaring it (the
-    mark, or the older class tuple `_small`) packs it for every parameter; the steps are the same."""
+    mark) packs it for every parameter; the steps are the same."""
     m = {"a": jnp.ones(3), "b": jnp.ones(2)}
     plain, declared = optim.setup(_PairRule(), m), optim.setup(_DeclaredPairRule(), m)
     assert sorted(isinstance(s.c, _pack.Packed) for s in plain.stored) == [False, True]     # b's c is like b
     assert all(isinstance(s.c, _pack.Packed) for s in declared.stored)
-    assert all(isinstance(s.c, _pack.Packed) for s in optim.setup(_ListedPairRule(), m).stored)
     x, y = m, m
     for t in range(3):
         g = jax.tree.map(lambda a: jnp.cos(a * (t + 1)), m)
@@ -259,15 +248,15 @@ def test_a_state_that_declares_nothing_is_packed_by_shape():
 
 
 def test_small_fields_reads_the_mark():
-    """`optim.fields.small_fields`: the fields a state class marks `Small` (or lists in `_small`), in field
-    order; an annotation that does not resolve is read as text."""
+    """`optim.fields.small_fields`: the fields a state class marks `Small`, in field order; an annotation that
+    does not resolve is read as text."""
     from optim._rules.adam import AdamState, RAdamState
     from optim._rules.kron import KronState
 
     small_fields = optim.fields.small_fields
     assert small_fields(AdamState) == ("bt",) and small_fields(RAdamState) == ("bt", "t")
     assert small_fields(KronState) == ("update_counter", "count")
-    assert small_fields(_DeclaredPair) == ("c",) and small_fields(_ListedPair) == ("c",)
+    assert small_fields(_DeclaredPair) == ("c",)
     assert small_fields(_Pair) == () and small_fields(dict) == () and small_fields(tuple) == ()
     unknown = "NotAName"      # (a variable: a literal would be read as an undefined name by the linter)
     odd = NamedTuple("Odd", [("m", unknown), ("c", "optim.fields.Small")])

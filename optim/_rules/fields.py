@@ -107,8 +107,8 @@ parameter's shape (a 2-element parameter's `bt`), and the fused CPU kernel reads
 
 @memoize(1024)
 def small_fields(cls: type) -> tuple[str, ...]:
-    """The fields of state class `cls` (a named tuple) annotated `Small`, in field order, with any a class tuple
-    `_small = ("bt",)` lists (the older form, still read); `()` for a class that is not a named tuple."""
+    """The fields of state class `cls` (a named tuple) annotated `Small`, in field order; `()` for a class that
+    is not a named tuple."""
     names = getattr(cls, "_fields", None)
     if not isinstance(cls, type) or not issubclass(cls, tuple) or not isinstance(names, tuple):
         return ()
@@ -119,8 +119,6 @@ def small_fields(cls: type) -> tuple[str, ...]:
         marked = {n for n, a in raw.items() if isinstance(a, str) and a.rsplit(".", 1)[-1] == "Small"}
     else:
         marked = {n for n, h in hints.items() if typing.get_origin(h) is Annotated and _SMALL in h.__metadata__}
-    by_hand = getattr(cls, "_small", ())
-    marked |= set(by_hand if isinstance(by_hand, tuple) else ())
     return tuple(n for n in names if n in marked)
 
 
