@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["only_cpu"]
+__all__ = ["only_cpu", "own_kernel_may_run"]
+
+
+def own_kernel_may_run(ctx) -> bool:
+    """Whether a lowering rule (its `ctx`) may emit a kernel of optim's own: the program runs on one device (over
+    several, XLA partitions its own operations only) and is not exported (`jax.export` takes only custom calls
+    with a stability guarantee)."""
+    ctx_m = ctx.module_context
+    ax = ctx_m.axis_context
+    one_device = type(ax).__name__ == "SingleDeviceAxisContext" or (
+        type(ax).__name__ == "ShardingContext" and ax.num_devices == 1)
+    return one_device and not ctx_m.lowering_parameters.for_export
 
 
 def only_cpu() -> bool:

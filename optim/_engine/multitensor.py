@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 from . import members as _members_eval
+from .backend import own_kernel_may_run
 from .strategies import switch
 from .._rules.protocol import abs2
 
@@ -172,12 +173,8 @@ def _multi_abstract(*avals, n: int, **params):
 
 def _lower_multi(on_cuda: bool):
     def rule(ctx, *args, interpret: bool, **params):
-        ctx_m = ctx.module_context
-        ax = ctx_m.axis_context     # a program over several devices: XLA partitions its own operations only
-        one_device = type(ax).__name__ == "SingleDeviceAxisContext" or (
-            type(ax).__name__ == "ShardingContext" and ax.num_devices == 1)
         rows = kernel_shape(math.prod(ctx.avals_in[0].shape))
-        if rows is not None and on_cuda and one_device and not ctx_m.lowering_parameters.for_export:
+        if rows is not None and on_cuda and own_kernel_may_run(ctx):
             fn = functools.partial(_pallas, **params)
         elif rows is not None and interpret and not on_cuda:
             fn = functools.partial(_pallas, **params, interpret=True)

@@ -47,6 +47,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 from . import fused, fused_load, multitensor, xla
+from .backend import own_kernel_may_run
 from .stack import STACK_MAX_SIZE
 from .strategies import Request, Result, Strategy, register, switch
 from .._rules.adam import Adam, AdamState, AdamW
@@ -194,16 +195,12 @@ def _abstract(*avals, cpu_kernel: bool, **params):
 
 def _lowering(on_cuda: bool):
     def rule(ctx, *args, cpu_kernel: bool, **params):
-        ctx_m = ctx.module_context
-        ax = ctx_m.axis_context     # a program over several devices: XLA partitions its own operations only
-        one_device = type(ax).__name__ == "SingleDeviceAxisContext" or (
-            type(ax).__name__ == "ShardingContext" and ax.num_devices == 1)
-        export = ctx_m.lowering_parameters.for_export
-        if on_cuda and one_device and not export:
+        own = own_kernel_may_run(ctx)
+        if on_cuda and own:
             fn = functools.partial(_pallas, **params)
         elif INTERPRET and not on_cuda:
             fn = functools.partial(_pallas, **params, interpret=True)
-        elif not on_cuda and one_device and not export and cpu_kernel:
+        elif not on_cuda and own and cpu_kernel:
             fn = functools.partial(_cpu_kernel, **params)
         else:
             fn = functools.partial(reference, **params)
