@@ -15,6 +15,7 @@ import optim
 from conftest import counted_update
 from optim._engine import fused as _fused
 from optim._engine import group as _group
+from optim._engine import onepass
 from optim._engine import stack as _stack
 
 BIG = (100, 100)      # 10000 elements: above optim._engine.stack.STACK_MAX_SIZE, alone unless grouped
@@ -160,12 +161,32 @@ def test_which_rules_are_grouped(rule, reads, monkeypatch):
     assert together is not reads
 
 
+def _big_stacks(rule) -> list[int]:
+    state = optim.setup(rule, _model())
+    return [len(s) for s in state.layout.stacks if state.layout.params[s[0]].shape == BIG]
+
+
 def test_groups_are_bounded_in_elements(monkeypatch):
     monkeypatch.setattr(_group, "MODE", "all")
     monkeypatch.setattr(_stack, "GROUP_MAX_ELEMENTS", 25_000)   # two of 10000 elements, not three
-    state = optim.setup(optim.Adam(), _model())
-    sizes = sorted(len(s) for s in state.layout.stacks if state.layout.params[s[0]].shape == BIG)
-    assert sizes == [2, 2, 2]
+    assert _big_stacks(optim.Lion()) == [2, 2, 2]
+    monkeypatch.setattr(_stack, "GROUP_MAX_ELEMENTS", 40_000)   # four, then what is left
+    assert _big_stacks(optim.Lion()) == [4, 2]
+
+
+@pytest.mark.parametrize("rule", [optim.Adam(), optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW())],
+                         ids=["Adam", "clip+AdamW"])
+def test_groups_stepped_in_one_kernel_are_smaller_and_equal(rule, monkeypatch):
+    """A float32 Adam's group steps in one kernel on a GPU (optim._engine.multitensor), whose compile grows with
+    its members: its bound is ONE_KERNEL_MAX_ELEMENTS, and its groups are as equal as their count allows, so that
+    they share one kernel."""
+    monkeypatch.setattr(_group, "MODE", "all")
+    monkeypatch.setattr(_stack, "GROUP_MAX_ELEMENTS", 1 << 24)
+    monkeypatch.setattr(_stack, "ONE_KERNEL_MAX_ELEMENTS", 40_000)
+    assert _big_stacks(rule) == [3, 3]
+    assert _big_stacks(optim.Adam(mu_dtype=jnp.bfloat16)) == [6]     # XLA's path: GROUP_MAX_ELEMENTS
+    monkeypatch.setattr(onepass, "ENABLED", False)
+    assert _big_stacks(rule) == [6]
 
 
 def test_off_and_default_on_a_cpu_only_process(monkeypatch):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import optim
-from optim._engine import fused, group, multitensor, onepass
+from optim._base.cache import memoize
+from optim._engine import fused, group, multitensor, onepass, stack
 
 RULES = {
     "Adam": lambda: optim.Adam(1e-2),
@@ -78,10 +79,30 @@ def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
     calls = []
     real = multitensor._pallas
     monkeypatch.setattr(multitensor, "_pallas", lambda *a, **k: calls.append(k["n"]) or real(*a, **k))
+    # a fresh cache of the jitted kernels, so that each group's kernel is traced here
+    monkeypatch.setattr(multitensor, "_jitted_pallas", memoize(64)(multitensor._jitted_pallas.__wrapped__))
     got = _train(monkeypatch, RULES[name](), enabled=True, interpret=True, none_at=2)
     want = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
     assert sorted(calls) == [3, 4], calls          # the u group has no kernel shape: XLA's operations
     for a, b in zip(_leaves(got), _leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_groups_of_one_shape_share_one_kernel(monkeypatch):
+    """Four members under a bound of two a group: two groups of one shape, whose kernel is traced (and lowered,
+    and compiled) once; the values are XLA's path's."""
+    monkeypatch.setattr(stack, "ONE_KERNEL_MAX_ELEMENTS", 2 * 16000)
+    calls = []
+    real = multitensor._pallas
+    monkeypatch.setattr(multitensor, "_pallas", lambda *a, **k: calls.append(k["n"]) or real(*a, **k))
+    monkeypatch.setattr(multitensor, "_jitted_pallas", memoize(64)(multitensor._jitted_pallas.__wrapped__))
+    got = _train(monkeypatch, optim.Adam(1e-2), enabled=True, interpret=True)
+    want = _train(monkeypatch, optim.Adam(1e-2), enabled=False)
+    layout = got[0].layout
+    assert [len(s) for s in layout.stacks if layout.params[s[0]].shape == (100, 160)] == [2, 2]
+    assert calls == [2], calls
+    # the layouts differ (two groups against one): each parameter's value and state
+    for a, b in zip(_leaves((got[1], got[0].param_states())), _leaves((want[1], want[0].param_states()))):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
 
 

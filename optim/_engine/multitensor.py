@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import members as _members_eval
 from .backend import own_kernel_may_run
+from .._base.cache import memoize
 from .strategies import switch
 from .._rules.protocol import abs2
 
@@ -94,8 +96,8 @@ def _kernel(*refs, n: int, adamw: bool, couple: bool):
 
 def _pallas(*args, n: int, adamw: bool, couple: bool, interpret: bool = False):
     """The kernel over the members' rows, a program a row of every member; the members' parameters and the
-    stacks updated in place. Compiling it takes time superlinear in the members (a program holds each one's
-    step): a group has at most 64 (optim._engine.stack)."""
+    stacks updated in place. Compiling it takes time that grows with the square of the members (a program holds
+    each one's step): such a group holds at most `ONE_KERNEL_MAX_ELEMENTS` numbers (optim._engine.stack)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -171,13 +173,22 @@ def _multi_abstract(*avals, n: int, **params):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in (*avals[:n], avals[2 * n], avals[2 * n + 1])]
 
 
+@memoize(64)
+def _jitted_pallas(n: int, adamw: bool, couple: bool, interpret: bool) -> Callable:
+    """The kernel, jitted: one function object per kind, so that a program's groups of one shape share one
+    traced jaxpr, which JAX lowers once (Pallas' lowering takes seconds for a large group) and XLA compiles once."""
+    def kernel(*args):
+        return _pallas(*args, n=n, adamw=adamw, couple=couple, interpret=interpret)
+    return jax.jit(kernel)
+
+
 def _lower_multi(on_cuda: bool):
     def rule(ctx, *args, interpret: bool, **params):
         rows = kernel_shape(math.prod(ctx.avals_in[0].shape))
         if rows is not None and on_cuda and own_kernel_may_run(ctx):
-            fn = functools.partial(_pallas, **params)
+            fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], False)
         elif rows is not None and interpret and not on_cuda:
-            fn = functools.partial(_pallas, **params, interpret=True)
+            fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], True)
         else:
             fn = functools.partial(_members, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)

@@ -323,6 +323,12 @@ def _substitute(rule: Any) -> Any:
     return new
 
 
+def _float32_moments(rule: Any) -> bool:
+    """Whether an `Adam` or `AdamW` stores both moments in float32."""
+    return all(f is None or not isinstance(f, Quantized) and jnp.dtype(f) == jnp.float32
+               for f in (rule.mu_dtype, rule.nu_dtype))
+
+
 class OnePass(Strategy):
     """The one-pass quantised Adam step as one of the engine's strategies (see the module)."""
 
@@ -334,6 +340,10 @@ class OnePass(Strategy):
     def wide(self, rule: Any) -> bool:
         return False
 
+    def one_kernel(self, rule: Any) -> bool:
+        # a group of float32 Adam or AdamW parameters steps in one kernel (optim._engine.multitensor)
+        return _core(rule) is not None and _float32_moments(_core(rule))
+
     def refuse(self, request: Request) -> str | None:
         rule = _core(request.rule)
         if not self.enabled():
@@ -341,7 +351,7 @@ class OnePass(Strategy):
         if rule is None:
             return "its rule is not Adam or AdamW (alone or after ClipGlobalNorm)"
         fm, fv = rule.mu_dtype, rule.nu_dtype
-        f32 = all(f is None or not isinstance(f, Quantized) and jnp.dtype(f) == jnp.float32 for f in (fm, fv))
+        f32 = _float32_moments(rule)
         if not (f32 or isinstance(fm, Quantized) and isinstance(fv, Quantized) and fm == fv):
             return "its moments are stored neither in one Quantized format nor in float32"
         if request.n_trees != 1:

@@ -6,6 +6,7 @@ stack's initial state is made where its parameters live (`init_stack`), and how 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Callable
@@ -35,11 +36,18 @@ ANY = "any"
 # In `make_stacks`' `wide`: `(GROUPED, r)` marks rule `r` as one whose large parameters XLA's path groups
 # (`optim._engine.group`): stacked like the kernel's, at most `GROUP_MAX_ELEMENTS` elements a stack.
 GROUPED = "grouped"
+# In `make_stacks`' `wide`: `(ONE_KERNEL, r)` marks a grouped rule `r` whose group's step is one kernel of a
+# strategy's own (optim._engine.multitensor): at most `ONE_KERNEL_MAX_ELEMENTS` elements a group.
+ONE_KERNEL = "one kernel"
 # In `make_stacks`' `wide`: `(SPLIT, r)` marks rule `r` as one whose large parameters are stacked where they live on
 # a mesh of several devices (`Rule._split_large`: Muon splits a stack's Newton-Schulz across them).
 SPLIT = "split"
 # A group's elements at most: 16M (64 MB of float32): 100 of 400x400 are one group.
 GROUP_MAX_ELEMENTS = 1 << 24
+# ... and where its step is one kernel (`ONE_KERNEL`): 4M (16 MB of float32): 100 of 400x400 are four groups of
+# 25. That kernel holds each member's step, and Triton's compile of it grows with the square of its members
+# (bench/NOTES.md: 25 members compile in about a second, 64 in 6-8 s).
+ONE_KERNEL_MAX_ELEMENTS = 1 << 22
 # A grouped member's elements at most: 512k. On XLA's path a group's step moves 8 bytes a parameter more than one
 # parameter's own step (Adam: 36 against 28, the floor: the new moments are written by one kernel and read back
 # by the parameters' kernels) and saves about one kernel a member (~2.5 us of device time). Past ~1M float32
@@ -56,25 +64,42 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     except for the rules in `wide` (indices): the rules that optim's fused CPU kernel runs (`optim._engine.fused`),
     which reads each member where it is, so stacking their large parameters' states costs no pass (and saves
     the arrays in and out of each call), the rules `r` given as `(GROUPED, r)`, which XLA's path groups
-    (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack), and the rules `r` given as
+    (`optim._engine.group`: at most `GROUP_MAX_ELEMENTS` elements a stack, `ONE_KERNEL_MAX_ELEMENTS` where
+    `(ONE_KERNEL, r)` is given too), and the rules `r` given as
     `(ANY, r)`, which batch per-parameter matrix work over a stack (`Rule._stack_large`), and the rules `r` given
     as `(SPLIT, r)` where the parameter or its state lives on a mesh of several devices (`Rule._split_large`).
     Deterministic, in parameter order."""
-    by_key: dict = {}
-    out: list[list[int]] = []
-    for u, p in enumerate(params):
+    keys: list = []                  # each parameter's stacking key, None where it stays alone
+    limits: dict = {}                # by key: a stack's members at most, and whether it steps in one kernel
+    for p in params:
         size = math.prod(p.shape)
         grouped = (GROUPED, p.rule) in wide and size <= GROUP_MAX_MEMBER
         split = (SPLIT, p.rule) in wide and _several(p.place, p.state_place)
         if size > STACK_MAX_SIZE and (ANY, p.rule) not in wide and not split and not (
                 (p.rule in wide or grouped) and p.place is None and p.state_place is None
                 and p.dtype in KERNEL_FLOATS):
-            out.append([u])
+            keys.append(None)
             continue
         key = (p.rule, p.shape, p.dtype, p.place, p.state_place)
+        keys.append(key)
+        one_kernel = grouped and size > STACK_MAX_SIZE and (ONE_KERNEL, p.rule) in wide
+        elements = ONE_KERNEL_MAX_ELEMENTS if one_kernel else GROUP_MAX_ELEMENTS
+        full = elements // size if grouped and size > STACK_MAX_SIZE else STACK_MAX_MEMBERS
+        limits[key] = (max(1, min(STACK_MAX_MEMBERS, full)), one_kernel)
+    # Groups stepped in one kernel are as equal as their count allows (100 under a cap of 26 are four groups of 25,
+    # not three of 26 and one of 22): groups of one shape share their kernel, which is then built once.
+    most = {}
+    for key, n in collections.Counter(k for k in keys if k is not None).items():
+        cap, one_kernel = limits[key]
+        most[key] = -(-n // -(-n // cap)) if one_kernel else cap
+    by_key: dict = {}
+    out: list[list[int]] = []
+    for u, key in enumerate(keys):
+        if key is None:
+            out.append([u])
+            continue
         g = by_key.get(key)
-        full = grouped and size > STACK_MAX_SIZE and (len(g or ()) + 1) * size > GROUP_MAX_ELEMENTS
-        if g is None or len(g) >= STACK_MAX_MEMBERS or full:
+        if g is None or len(g) >= most[key]:
             g = by_key[key] = []
             out.append(g)
         g.append(u)

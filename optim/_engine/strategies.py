@@ -11,6 +11,8 @@ strategy says
 - `enabled()`: whether it is on;
 - `wide(rule)`: whether `setup` and `adjust` keep this rule's large parameters in stacks (one kernel call runs
   many members of a stack, where XLA's path prefers one parameter per stack);
+- `one_kernel(rule)`: whether it steps a group of this rule's large parameters in one kernel of its own, whose
+  compile grows with the group's members (`setup` then makes the groups smaller);
 - `refuse(request)`: why it cannot run this request, or None where it can;
 - `run(request)`: the `Result`.
 
@@ -79,7 +81,7 @@ class Result(NamedTuple):
 
 
 class Strategy:
-    """The interface of a strategy (see the module). Subclasses override every method."""
+    """The interface of a strategy (see the module). Subclasses override every method but `one_kernel`."""
 
     name = "strategy"
 
@@ -88,6 +90,9 @@ class Strategy:
 
     def wide(self, rule: Any) -> bool:
         raise NotImplementedError
+
+    def one_kernel(self, rule: Any) -> bool:
+        return False
 
     def refuse(self, request: Request) -> str | None:
         raise NotImplementedError
@@ -130,17 +135,20 @@ def key() -> tuple:
 def wide_rules(rules: tuple) -> frozenset:
     """The rules (indices into `rules`, unwrapped: `optim._core.state.unwrap`) that an enabled strategy
     keeps stacked when their parameters are large (`optim._engine.stack.make_stacks`), as `(ANY, index)` the
-    rules that ask for it themselves (`Rule._stack_large`: stacked whatever their dtype and placement), and as
-    `(GROUPED, index)` the rules that XLA's path groups (`optim._engine.group`)."""
+    rules that ask for it themselves (`Rule._stack_large`: stacked whatever their dtype and placement), as
+    `(GROUPED, index)` the rules that XLA's path groups (`optim._engine.group`), and as `(ONE_KERNEL, index)`
+    those of them whose group an enabled strategy steps in one kernel of its own (`Strategy.one_kernel`)."""
     from .._rules.protocol import splits_large, stacks_large
     from . import group
-    from .stack import ANY, GROUPED, SPLIT
+    from .stack import ANY, GROUPED, ONE_KERNEL, SPLIT
 
     kernel = frozenset(r for r, rule in enumerate(rules) if any(s.enabled() and s.wide(rule)
                                                                   for s in _REGISTERED))
+    grouped = frozenset(r for r, rule in enumerate(rules) if r not in kernel and group.groups(rule))
     return kernel | frozenset((ANY, r) for r, rule in enumerate(rules) if stacks_large(rule)) | frozenset(
-        (GROUPED, r) for r, rule in enumerate(rules) if r not in kernel and group.groups(rule)) | frozenset(
-        (SPLIT, r) for r, rule in enumerate(rules) if splits_large(rule))
+        (GROUPED, r) for r in grouped) | frozenset(
+        (ONE_KERNEL, r) for r in grouped if any(s.enabled() and s.one_kernel(rules[r]) for s in _REGISTERED)
+    ) | frozenset((SPLIT, r) for r, rule in enumerate(rules) if splits_large(rule))
 
 
 def run(request: Request, after: Strategy | None = None) -> Result:
