@@ -154,7 +154,8 @@ def test_every_module_cache_is_a_bounded_lru():
         "_interop.optax_checks._CHECKED": 1024, "_interop.optax._factory_class": 1024,
         "_engine.stack._default_sharding": 1, "_io.state_dict._stacker": 256, "_core.average._averager": 32,
         "_base.tree._INEXACT": 64, "_engine.hoist._SPLITS": 1024, "_core.state._SHAPES": 4096,
-        "_core.setup._WARNED_TRACED": 64, "_engine.group._READS": 256, "_rules.fields.small_fields": 1024}
+        "_core.setup._WARNED_TRACED": 64, "_engine.group._READS": 256, "_rules.fields.small_fields": 1024,
+        "_engine.multitensor._jitted_pallas": 64}
     # no cache outside the policy: functools' unbounded caches, or dicts cleared when full
     src = "".join(p.read_text() for p in pathlib.Path(optim.__file__).parent.rglob("*.py") if p.name != "cache.py")
     assert not re.findall(r"functools\.cache\b|lru_cache\(|OrderedDict\(|\.clear\(\)", src)
