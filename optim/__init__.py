@@ -39,7 +39,8 @@ from ._rules.schedules import (
 )
 from ._core.setup import by_path, setup
 from ._core.footprint import state_bytes
-from ._core.state import Layout, Leaf, PathError, State
+from ._core.layout import Layout, PathError
+from ._core.state import Leaf, State
 from ._rules.quantized import Quantized, q4, q8
 from ._io.state_dict import load_state_dict, state_dict
 from ._rules.protocol import Gated, Replace, Rule, apply_all, apply_step

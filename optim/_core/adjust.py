@@ -19,7 +19,8 @@ from .._engine.strategies import wide_rules
 from .._rules.protocol import Rule, inner_fields, inner_rules, is_rule, looks_across
 from .._rules.schedules import Schedule
 from .._rules.hyper import canonical_numbers
-from .state import Layout, PathError, State, unwrap, with_frozen
+from .layout import Layout, PathError
+from .state import State, unwrap, with_frozen
 from .._base.tree import replace_fields, show, suggest_pattern
 
 def adjust(state: Any, *args: Any, **hyper: Any) -> Any:

@@ -11,7 +11,8 @@ from .._base.tree import PyTree
 from .._engine.stack import stack_arrays
 from .._rules.protocol import average_of
 from .program import flatten_like
-from .state import Layout, State, unwrap
+from .layout import Layout
+from .state import State, unwrap
 
 __all__ = ["averaged"]
 

@@ -17,7 +17,8 @@ import jax
 
 from .._engine.strategies import SWITCHES
 from .._base.cache import LRU
-from .state import Layout, State
+from .layout import Layout
+from .state import State
 from .._base.tree import PyTree, describe, dotted, flatten, show, structure_diff
 
 

@@ -14,7 +14,8 @@ from .._rules.hyper import canonical_numbers
 from .._engine.stack import init_stack, placement
 from .._rules.protocol import is_rule
 from .._base.cache import LRU
-from .state import Layout, Param, State, StaticRule, TiedCopy, func_name, leaf_paths, unwrap
+from .layout import Layout, Param, TiedCopy, leaf_paths
+from .state import State, StaticRule, func_name, unwrap
 from .ties import tie_groups, tie_positions
 from .._base.tree import (PyTree, canonical_dtype, describe, is_trainable, match_positions, show, suggest_pattern,
                     unique_index)

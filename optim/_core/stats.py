@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .program import Program
-from .state import Layout
+from .layout import Layout
 from .._rules.protocol import sum_squares, widened
 
 

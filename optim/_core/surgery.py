@@ -17,7 +17,8 @@ from .adjust import select
 from .program import flatten_like
 from .._engine.stack import init_stack, reads_nothing
 from .._rules.schedules import at_start
-from .state import Layout, PathError, State, unwrap
+from .layout import Layout, PathError
+from .state import State, unwrap
 from .._base.tree import PyTree, key_name, show
 
 

@@ -34,7 +34,8 @@ from .._engine.pack import PackRows, assemble
 from .program import Program, plan, take
 from .._rules.schedules import resolve
 from .._engine.stack import constrain, stack_arrays
-from .state import Layout, State, unwrap
+from .layout import Layout
+from .state import State, unwrap
 from .._base.tree import PyTree, describe, show
 from .._rules.wrappers import joint_norm
 

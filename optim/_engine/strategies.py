@@ -41,7 +41,7 @@ class Request(NamedTuple):
     strategy may add in its own pass; else the sum alone) and the arrays at its other tied positions (`mirrors`:
     traced calls only, else empty)."""
 
-    layout: Any                              # the state's Layout (optim._core.state)
+    layout: Any                              # the state's Layout (optim._core.layout)
     rule: Any                                # the rule, its schedules resolved at this step
     stacks: tuple[int, ...]                  # indices into `layout.stacks`
     rows: tuple[tuple[int, ...], ...]

@@ -17,7 +17,8 @@ import numpy as np
 
 from .checkpoint_format import (ARRAYS, Malformed, clean, dtype_name, dtype_named, key_type, python_value,
                                  same_rule_structure, same_state_structure, signature)
-from .._core.state import Layout, Param, PathError, State, TiedCopy, func_name, unwrap
+from .._core.layout import Layout, Param, PathError, TiedCopy
+from .._core.state import State, func_name, unwrap
 from .._rules.hyper import is_schedule
 from .._rules.moments import powers_from_next
 from .._base.tree import show, structure_diff
