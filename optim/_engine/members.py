@@ -1,5 +1,6 @@
-"""Member-wise steps: in a group of large parameters (optim._engine.group), the arithmetic that reads the parameter
-is computed per member, in the member's own array.
+"""Member-wise steps: in a stack of a rule that XLA's path groups (optim._engine.group: its groups of large
+parameters, and its stacks of small ones), the arithmetic that reads the parameter is computed per member, in the
+member's own array.
 
 A grouped stack's rule runs vmapped over its members, on the parameters stacked by a concatenation. A rule whose
 step reads the parameter (AdamW's decoupled weight decay `η (a + λ x)`) then reads every member through that

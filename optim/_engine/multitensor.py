@@ -36,6 +36,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import members as _members_eval
 from .backend import own_kernel_may_run
+from .stack import STACK_MAX_SIZE
 from .._base.cache import memoize
 from .strategies import switch
 from .._rules.protocol import abs2
@@ -184,7 +185,10 @@ def _jitted_pallas(n: int, adamw: bool, couple: bool, interpret: bool) -> Callab
 
 def _lower_multi(on_cuda: bool):
     def rule(ctx, *args, interpret: bool, **params):
-        rows = kernel_shape(math.prod(ctx.avals_in[0].shape))
+        # Small members (a stack of biases) stay on XLA's operations: the kernel's compile grows with the square
+        # of its members, and a stack of small ones holds up to 64
+        size = math.prod(ctx.avals_in[0].shape)
+        rows = kernel_shape(size) if size > STACK_MAX_SIZE else None
         if rows is not None and on_cuda and own_kernel_may_run(ctx):
             fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], False)
         elif rows is not None and interpret and not on_cuda:
