@@ -136,5 +136,5 @@ def test_a_later_update_enters_no_engine_module():
 
     for name in ("Adam", "AdaGrad"):       # one the kernel runs, one XLA's path runs
         later = measure(name)["later"]["files"]
-        assert later == ["_base/cache.py", "_base/tree.py", "_core/program.py", "_core/state.py",
+        assert later == ["_base/cache.py", "_base/tree.py", "_core/layout.py", "_core/program.py", "_core/state.py",
                          "_core/update.py"], (name, later)
