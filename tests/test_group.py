@@ -124,6 +124,43 @@ def test_grouped_step_equals_one_parameter_a_stack(name, monkeypatch):
     _close(optim.state_dict(got_state), optim.state_dict(want_state))
 
 
+SMALL_RULES = {
+    "AdamW": lambda: optim.AdamW(1e-2, weight_decay=0.1),
+    "EMA(AdamW)": lambda: optim.EMA(optim.AdamW(1e-2, weight_decay=0.1), 0.9),
+    "SkipNonFinite(EMA(AdamW))": lambda: optim.SkipNonFinite(optim.EMA(optim.AdamW(1e-2, weight_decay=0.1), 0.9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_RULES))
+def test_small_stacks_of_a_grouped_rule_step_member_by_member(name, monkeypatch):
+    """XLA's path steps a grouped rule's stacks of small parameters member by member too (optim._engine.members:
+    read through their concatenation, XLA copied each new parameter out): the stacked step's values."""
+    from optim._engine import members
+
+    seen = []
+    real = members.evaluate
+    monkeypatch.setattr(members, "evaluate", lambda fn, st, ms: seen.append(ms) or real(fn, st, ms))
+    model = {f"b{i}": jax.random.normal(jax.random.key(i), (8, 16)) for i in range(5)}
+
+    def run(mode):
+        monkeypatch.setattr(_group, "MODE", mode)
+        state, x = optim.setup(SMALL_RULES[name](), model), model
+        f = jax.jit(lambda s, m, g: optim.update(s, m, g))
+        for t in range(3):
+            g = {k: jnp.cos(v * (t + 1.0)) for k, v in model.items()}
+            g["b2"] = None if t == 1 else g["b2"]
+            state, x = f(state, x, g)
+        return state, x
+
+    got_state, got = run("all")
+    assert any(m is not None for ms in seen for m in ms)          # member by member
+    seen.clear()
+    want_state, want = run("0")
+    assert all(m is None for ms in seen for m in ms)               # on the stack
+    _close(got, want)
+    _close(optim.state_dict(got_state), optim.state_dict(want_state))
+
+
 def test_frozen_and_skipped_members_of_a_group_keep_their_state_bitwise(monkeypatch):
     model = _model()
     state, x = _run(RULES["Adam"], "all", monkeypatch, steps=2, freeze="w2")
