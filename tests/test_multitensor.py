@@ -60,6 +60,16 @@ def _leaves(tree):
     return [np.asarray(a) for a in jax.tree.leaves(tree)]
 
 
+def _kernel_calls(monkeypatch) -> list:
+    """The members of each kernel traced from now on (a fresh cache of the jitted kernels, so that each is traced
+    here)."""
+    calls = []
+    real = multitensor._pallas
+    monkeypatch.setattr(multitensor, "_pallas", lambda *a, **k: calls.append(k["n"]) or real(*a, **k))
+    monkeypatch.setattr(multitensor, "_jitted_pallas", memoize(64)(multitensor._jitted_pallas.__wrapped__))
+    return calls
+
+
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_cpu_lowering_is_xla_s_path(monkeypatch, name):
     """On the CPU the group's primitive lowers to XLA's operations, arranged as XLA's path arranges a group's step:
@@ -76,11 +86,7 @@ def test_cpu_lowering_is_xla_s_path(monkeypatch, name):
 def test_pallas_kernel_against_xla_s_path(monkeypatch, name):
     """The kernel in interpret mode, one call per group that steps (4 members, then 3 with a None gradient):
     the same operations, compiled otherwise (a product and a sum may be contracted): within a few float32 ulp."""
-    calls = []
-    real = multitensor._pallas
-    monkeypatch.setattr(multitensor, "_pallas", lambda *a, **k: calls.append(k["n"]) or real(*a, **k))
-    # a fresh cache of the jitted kernels, so that each group's kernel is traced here
-    monkeypatch.setattr(multitensor, "_jitted_pallas", memoize(64)(multitensor._jitted_pallas.__wrapped__))
+    calls = _kernel_calls(monkeypatch)
     got = _train(monkeypatch, RULES[name](), enabled=True, interpret=True, none_at=2)
     want = _train(monkeypatch, RULES[name](), enabled=False, none_at=2)
     assert sorted(calls) == [3, 4], calls          # the u group has no kernel shape: XLA's operations
@@ -92,10 +98,7 @@ def test_groups_of_one_shape_share_one_kernel(monkeypatch):
     """Four members under a bound of two a group: two groups of one shape, whose kernel is traced (and lowered,
     and compiled) once; the values are XLA's path's."""
     monkeypatch.setattr(stack, "ONE_KERNEL_MAX_ELEMENTS", 2 * 16000)
-    calls = []
-    real = multitensor._pallas
-    monkeypatch.setattr(multitensor, "_pallas", lambda *a, **k: calls.append(k["n"]) or real(*a, **k))
-    monkeypatch.setattr(multitensor, "_jitted_pallas", memoize(64)(multitensor._jitted_pallas.__wrapped__))
+    calls = _kernel_calls(monkeypatch)
     got = _train(monkeypatch, optim.Adam(1e-2), enabled=True, interpret=True)
     want = _train(monkeypatch, optim.Adam(1e-2), enabled=False)
     layout = got[0].layout

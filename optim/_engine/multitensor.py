@@ -188,11 +188,9 @@ def _lower_multi(on_cuda: bool):
         # Small members (a stack of biases) stay on XLA's operations: the kernel's compile grows with the square
         # of its members, and a stack of small ones holds up to 64
         size = math.prod(ctx.avals_in[0].shape)
-        rows = kernel_shape(size) if size > STACK_MAX_SIZE else None
-        if rows is not None and on_cuda and own_kernel_may_run(ctx):
-            fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], False)
-        elif rows is not None and interpret and not on_cuda:
-            fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], True)
+        fits = size > STACK_MAX_SIZE and kernel_shape(size) is not None
+        if fits and (own_kernel_may_run(ctx) if on_cuda else interpret):
+            fn = _jitted_pallas(params["n"], params["adamw"], params["couple"], not on_cuda)
         else:
             fn = functools.partial(_members, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)

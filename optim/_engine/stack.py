@@ -91,7 +91,7 @@ def make_stacks(params: tuple, wide: frozenset = frozenset()) -> tuple[tuple[int
     most = {}
     for key, n in collections.Counter(k for k in keys if k is not None).items():
         cap, one_kernel = limits[key]
-        most[key] = -(-n // -(-n // cap)) if one_kernel else cap
+        most[key] = math.ceil(n / math.ceil(n / cap)) if one_kernel else cap
     by_key: dict = {}
     out: list[list[int]] = []
     for u, key in enumerate(keys):
