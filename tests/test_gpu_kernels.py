@@ -132,11 +132,12 @@ BYTES = {
     ("gpt2", "SkipNonFinite(AdamW)"): (3556, 3552),
     ("gpt2", "clip+AdamW"): (3555, 3553),
     ("gpt2", "EMA(AdamW)"): (4200, 3996),
+    ("gpt2", "SkipNonFinite(EMA(clip+AdamW))"): (4443, 4441),
     ("gpt2-tied", "Adam"): (3412, 3108),
 }
 TARGET_MET = {("gpt2", "Adam"), ("gpt2", "AdamW"), ("gpt2", "SkipNonFinite(AdamW)"), ("100x400x400", "Adam"),
               ("100x400x400", "AdamW"), ("1000x128x128", "Adam"), ("100x400x400", "clip+AdamW"),
-              ("1000x128x128", "clip+AdamW"), ("gpt2", "clip+AdamW")}
+              ("1000x128x128", "clip+AdamW"), ("gpt2", "clip+AdamW"), ("gpt2", "SkipNonFinite(EMA(clip+AdamW))")}
 TIE_MB = 201          # 2 x 32768 x 768 float32: the head's gradient read, its output written
 
 
@@ -159,16 +160,21 @@ def test_quantized_step_one_pass(fmt, bound, target):
     assert got["bytes"] <= bound * 1e6 and got["bytes"] <= target * f32["bytes"], (got, f32)
 
 
-# The GPT-2 tree's kernels: (workload) -> bound; optax's are 150, 350 and 150. Before its stacks of small
-# parameters (biases, norms) were stepped member by member (optim._engine.members) AdamW read them through their
-# concatenation and XLA copied 34 of the new parameters out: 166, 274 and 168 kernels.
-GPT2_KERNELS = {"AdamW": 131, "clip+AdamW": 239, "EMA(AdamW)": 137}
+# The GPT-2 tree's kernels: (workload) -> (bound, copies); optax's are 150, 350, 150 and 405. Before its stacks of
+# small parameters (biases, norms) were stepped member by member (optim._engine.members) AdamW read them through
+# their concatenation and XLA copied 34 of the new parameters out: 166, 274 and 168 kernels. The demo's stack
+# then copied 32 old parameters (520 kernels, 4831 MB), while its average read `x - step` ungated after the
+# skip's select had overwritten `x`; now it reads the gated value (EMA.apply_tree's `ok`). Its two copies are
+# of small state packs (10 x 2 and 64 x 2 numbers).
+GPT2_KERNELS = {"AdamW": (131, 0), "clip+AdamW": (239, 0), "EMA(AdamW)": (137, 0),
+                "SkipNonFinite(EMA(clip+AdamW))": (487, 2)}
 
 
 @pytest.mark.parametrize("workload", sorted(GPT2_KERNELS))
 def test_small_parameters_are_written_in_place(workload):
     got = _measured("gpt2", workload)
-    assert got["copies"] == 0 and got["kernels"] <= GPT2_KERNELS[workload], got
+    kernels, copies = GPT2_KERNELS[workload]
+    assert got["copies"] <= copies and got["kernels"] <= kernels, got
 
 
 @pytest.mark.parametrize("case", sorted(BYTES), ids="-".join)

@@ -81,6 +81,8 @@ RULES = {
     "Adafactor": lambda: optim.Adafactor(1e-2),
     "EMA(AdamW)": lambda: optim.EMA(optim.AdamW(1e-2, weight_decay=0.1), 0.9),
     "SkipNonFinite(AdamW)": lambda: optim.SkipNonFinite(optim.AdamW(1e-2, weight_decay=0.1)),
+    "SkipNonFinite(EMA(clip+AdamW))": lambda: optim.SkipNonFinite(optim.EMA(optim.chain(
+        optim.ClipGlobalNorm(1.0), optim.AdamW(1e-2, weight_decay=0.1)), 0.9)),
     "EMA(Adam)": lambda: optim.EMA(optim.Adam(1e-2), 0.9),
     "MixedPrecision(AdamW)": lambda: optim.MixedPrecision(optim.AdamW(1e-2, weight_decay=0.1)),
     "Momentum": lambda: optim.Momentum(1e-2),
@@ -300,20 +302,22 @@ def _donated_step(rule, n: int) -> tuple[int, str]:
 
 
 
+@pytest.mark.parametrize("name", ["SkipNonFinite(AdamW)", "SkipNonFinite(EMA(clip+AdamW))"])
 @pytest.mark.parametrize("branch", ["cpu", "default"])
-def test_a_grouped_skip_of_a_step_that_reads_the_parameter(branch, monkeypatch):
+def test_a_grouped_skip_of_a_step_that_reads_the_parameter(branch, name, monkeypatch):
     """`SkipNonFinite(AdamW)` is grouped: its step, inside the platform's conditional (a conditional on CPU,
     selects elsewhere), is computed per member in each branch (optim._engine.members). "default" runs the other
-    platforms' branch on the CPU (`platform_dependent` told to take it everywhere). A NaN gradient skips the
-    whole step, grouped or not; otherwise grouped and one parameter a stack agree."""
-    if branch == "default":
-        take = jax.lax.platform_dependent
-        monkeypatch.setattr(jax.lax, "platform_dependent",
-                            lambda *a, cpu=None, default=None, **k: take(*a, cpu=default, default=default))
-    make = RULES["SkipNonFinite(AdamW)"]
+    platforms' branch on the CPU (`platform_dependent` told to take it everywhere); there an EMA inside averages
+    the gated new value (`EMA.apply_tree`'s `ok`). A NaN gradient skips the whole step, grouped or not;
+    otherwise grouped and one parameter a stack agree, and the two branches agree."""
+    make = RULES[name]
 
-    def run(mode):
+    def run(mode, branch=branch):
         monkeypatch.setattr(_group, "MODE", mode)
+        take = jax.lax.platform_dependent
+        if branch == "default":
+            monkeypatch.setattr(jax.lax, "platform_dependent",
+                                lambda *a, cpu=None, default=None, **k: take(*a, cpu=default, default=default))
         model = _model()
         state = optim.setup(make(), model)
         f = jax.jit(lambda s, m, g: optim.update(s, m, g))
@@ -324,6 +328,7 @@ def test_a_grouped_skip_of_a_step_that_reads_the_parameter(branch, monkeypatch):
                 g["w4"] = g["w4"].at[0, 0].set(jnp.nan)
             state, x = f(state, x, g)
             out.append(x)
+        monkeypatch.setattr(jax.lax, "platform_dependent", take)
         return state, out
 
     got_state, got = run("all")
@@ -334,6 +339,10 @@ def test_a_grouped_skip_of_a_step_that_reads_the_parameter(branch, monkeypatch):
     assert int(got_state["w0"].state.skipped) == 1
     _close(got, want)
     _close(optim.state_dict(got_state), optim.state_dict(want_state))
+    if branch == "default":
+        cpu_state, on_cpu = run("all", "cpu")
+        _close(got, on_cpu)
+        _close(optim.state_dict(got_state), optim.state_dict(cpu_state))
 
 
 @pytest.mark.parametrize("rule", [optim.AdamW(1e-3, weight_decay=0.1), optim.EMA(optim.AdamW(1e-3), 0.9),

@@ -26,6 +26,7 @@ arrays. Where nothing depends on a parameter, `fn`'s program is kept as it is.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -122,6 +123,9 @@ def _eval(jaxpr: Any, consts: list, args: list, steps: list) -> list:
     env: dict = {}
     for_steps = needed(jaxpr, steps)
     platform: dict = {}     # the index of a platform-dependent conditional -> its platforms per branch
+    # Broadcasts of one number (a gate `where_leading` spreads over a stack): the same in every row, so not a
+    # stacked array that makes an equation state-only.
+    uniform: set = set()
 
     def read(v: Any) -> _Value:
         return _Value(v.val) if isinstance(v, Literal) else env[v]
@@ -147,7 +151,8 @@ def _eval(jaxpr: Any, consts: list, args: list, steps: list) -> list:
         if len(per) == 1:
             n, want = per.pop()
             state_only = not any(v in for_steps for v in e.outvars) and any(
-                a.members is None and a.shape == want and v not in for_steps for a, v in zip(ins, e.invars))
+                a.members is None and a.shape == want and v not in for_steps and v not in uniform
+                for a, v in zip(ins, e.invars))
             if name in ELEMENTWISE and not state_only and all(a.shape in ((), want) for a in ins) and all(
                     tuple(o.aval.shape) == want for o in e.outvars):
                 rows = []
@@ -172,6 +177,8 @@ def _eval(jaxpr: Any, consts: list, args: list, steps: list) -> list:
             env[v] = _Value(o)
         if name == "platform_index":
             platform[e.outvars[0]] = e.params["platforms"]
+        if name == "broadcast_in_dim" and math.prod(ins[0].shape) == 1:
+            uniform.add(e.outvars[0])
     return [read(v) for v in jaxpr.outvars]
 
 

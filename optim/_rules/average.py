@@ -68,6 +68,7 @@ class EMA(Rule):
     rule: Any = None
     decay: Hyper = decay(0.999)
     _across = False     # per parameter; its inner rule may look across
+    _gate = True        # `apply_tree` takes an outer gate (`skip_unless`)
 
     def __init__(self, rule: Any, decay: Hyper = 0.999):
         if not is_rule(rule):
@@ -83,14 +84,19 @@ class EMA(Rule):
     def apply(self, state, x, dx, *dxs):
         return apply_one(self, state, x, (dx, *dxs))
 
-    def apply_tree(self, states, xs, dxs):
+    def apply_tree(self, states, xs, dxs, ok=None):
         inner, steps = apply_all(self.rule, [s[0] for s in states], xs, list(dxs))
         new = []
         for (_, avg), x, st, step in zip(states, xs, inner, steps):
             if step is not None:
+                # Under an outer gate `ok` (`skip_unless`'s selects), the average is taken of the gated new
+                # value: equal where it is kept, and the very expression of the parameter's own update, which
+                # XLA then computes once (the ungated `x - step` read the old parameter after the kernel that
+                # overwrote it in place: a copy of each parameter, compiled for an H100).
+                gated = Gated(step, ok) if ok is not None and not isinstance(step, Gated) else step
                 d = as_compute(self.decay, avg)
-                moved = d * avg + (1 - d) * widened(apply_step(x, step), avg.dtype)   # the value stored
-                avg = where_leading(step.ok, moved, avg) if isinstance(step, Gated) else moved
+                moved = d * avg + (1 - d) * widened(apply_step(x, gated), avg.dtype)   # the value stored
+                avg = where_leading(gated.ok, moved, avg) if isinstance(gated, Gated) else moved
             new.append(EMAState(st, avg))
         return new, steps
 

@@ -351,8 +351,11 @@ def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> 
     parameter; with the conditional none; timings in `bench/NOTES.md`). Elsewhere branch-free selects, which XLA
     fuses into the rule's own loops there and which need no predicate on the host (a GPU conditional reads it
     back every step). Under `vmap` (a batched `ok`) JAX turns the conditional into the same selects."""
-    def run(states, xs, dxs):
-        new, steps = apply_all(rule, states, xs, dxs)
+    def run(states, xs, dxs, gate=None):
+        # A rule whose state reads its own new parameter (`EMA`) is told the gate, so that it reads the gated
+        # value the parameter is updated to (`EMA.apply_tree`).
+        new, steps = (rule.apply_tree(states, xs, dxs, ok=gate) if gate is not None and getattr(rule, "_gate", False)
+                      else apply_all(rule, states, xs, dxs))
         # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.
         new = [n if jax.tree.structure(n) != jax.tree.structure(o) else
                jax.tree.map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), n, o) for n, o in zip(new, states)]
@@ -366,7 +369,7 @@ def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> 
         return jax.lax.cond(ok, run, skip, states, xs, dxs)
 
     def select(states, xs, dxs):
-        new, steps = run(states, xs, dxs)
+        new, steps = run(states, xs, dxs, ok)
         return [gate_state(n, o, ok) for n, o in zip(new, states)], steps
 
     return jax.lax.platform_dependent(states, xs, dxs, cpu=branch, default=select)
