@@ -1203,10 +1203,11 @@ RULES = [
                                   "precondition_every": 3, "start_preconditioning_step": 5}]),),
         no_optax="optax 0.2.8 has no Shampoo: test_shampoo.py compares with precondition-opt's distributed_shampoo "
                  "(a stored fixture) and the numpy reference on matrices",
-        # matrix_eps 1e-3: the roots of the first statistics (one gradient) are ill-conditioned, and the sharded
-        # program rounds the statistics otherwise than the unsharded one
+        # matrix_eps 1e-2: the roots of the first statistics (one gradient) are ill-conditioned, and the sharded
+        # program rounds the statistics otherwise than the unsharded one (with 1e-3, one number of 1153 differed
+        # by 1.2e-4 relative on an AMD EPYC, none on the CPU the case was written on)
         zero1=(Case("Shampoo", lambda: O.Shampoo(0.01, block_size=4, precondition_every=2,
-                                                 start_preconditioning_step=1, matrix_eps=1e-3)),),
+                                                 start_preconditioning_step=1, matrix_eps=1e-2)),),
     ),
     # Kron: the reference cases run on a vector (a diagonal factor) and, in the stacking test, on matrices too
     # (triangular factors); test_kron.py compares matrices, 3-axis arrays and scalars with the same numpy
