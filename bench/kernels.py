@@ -15,7 +15,7 @@ a `call` its computation (no step measured here has any of the three). In this d
 Triton gemm fusion (`kind=kCustom`, not a cuBLAS custom-call), counted in `fusions` and apart as `gemms`. A `copy`
 with as many elements as one of ENTRY's array parameters (parameter, gradient or state array) is a whole array
 copied per step (`param_copies`; a small state array's copy counts too: on one 4096x4096 leaf Adam's one copy is
-of its `(1, 2)` bias-correction pack).
+of its `(1, 2)` bias-correction pack); `largest_copy` is the number of elements of the largest copy.
 
 Bytes: each kernel's operands plus its outputs, at the sizes of their compiled shapes (caches are not modelled),
 times its executions. One refinement: of a fusion's operand only the elements that its fused computation demands
@@ -334,6 +334,7 @@ def entry_kernels(hlo_text: str) -> dict:
     out = {"fusions": n(lambda k: k.op == "fusion"), "gemms": n(lambda k: k.gemm),
            "custom_calls": n(lambda k: k.op == "custom-call"), "copies": n(lambda k: k.op == "copy"),
            "param_copies": n(lambda k: k.op == "copy" and (d := _dims(k.shape)) and math.prod(d) in params),
+           "largest_copy": max((math.prod(d) for k in ks if k.op == "copy" and (d := _dims(k.shape))), default=0),
            "other": n(lambda k: k.op not in ("fusion", "custom-call", "copy")), "other_ops": other,
            "kernels": n(lambda k: True),
            "read": round(sum(k.read * k.times for k in ks)), "written": round(sum(k.written * k.times for k in ks))}

@@ -68,7 +68,9 @@ def test_grouped_step_kernels(name, size):
     where = K.sharding()
     args = [K.abstract(a, where) for a in (state, params, params)]
     got = K.count(jax.jit(K.optim_step, donate_argnums=(0, 1)), *args)
-    assert got["param_copies"] == 0, got                       # every new parameter written in place
+    # Every new parameter written in place: no copy of a parameter's size (a small state pack read through a
+    # barrier may be copied: optim._engine.hoist._filled_apart).
+    assert got["largest_copy"] < math.prod(shape), got
     assert got["kernels"] <= bound, got
 
 
@@ -160,14 +162,15 @@ def test_quantized_step_one_pass(fmt, bound, target):
     assert got["bytes"] <= bound * 1e6 and got["bytes"] <= target * f32["bytes"], (got, f32)
 
 
-# The GPT-2 tree's kernels: (workload) -> (bound, copies); optax's are 150, 350, 150 and 405. Before its stacks of
-# small parameters (biases, norms) were stepped member by member (optim._engine.members) AdamW read them through
+# The GPT-2 tree's kernels: (workload) -> (bound, copies); optax's are 150, 350, 150, 352 and 405. Before its stacks
+# of small parameters (biases, norms) were stepped member by member (optim._engine.members) AdamW read them through
 # their concatenation and XLA copied 34 of the new parameters out: 166, 274 and 168 kernels. The demo's stack
 # then copied 32 old parameters (520 kernels, 4831 MB), while its average read `x - step` ungated after the
-# skip's select had overwritten `x`; now it reads the gated value (EMA.apply_tree's `ok`). Its two copies are
-# of small state packs (10 x 2 and 64 x 2 numbers).
+# skip's select had overwritten `x`; now it reads the gated value (EMA.apply_tree's `ok`). Under the skip each
+# stack sliced its rows of the shared packs before a barrier, a kernel a slice (104: 428 and 487 kernels); it now
+# slices them after (hoist._filled_apart), and the 6 copies are of those packs (24 to 64 numbers each).
 GPT2_KERNELS = {"AdamW": (131, 0), "clip+AdamW": (239, 0), "EMA(AdamW)": (137, 0),
-                "SkipNonFinite(EMA(clip+AdamW))": (487, 2)}
+                "SkipNonFinite(AdamW)": (328, 6), "SkipNonFinite(EMA(clip+AdamW))": (387, 6)}
 
 
 @pytest.mark.parametrize("workload", sorted(GPT2_KERNELS))

@@ -309,7 +309,11 @@ def _apart(per_stack: list) -> list:
 
 
 def _filled_apart(views: list, packs: tuple) -> list:
-    """`fill` of each stack's stored tree, its rows of the packs its own (`_apart`)."""
+    """`fill` of each stack's stored tree, its rows of the packs its own (`_apart`). A stack whose packs are its
+    own (whole) passes them through the barrier. A stack that reads rows of packs it shares passes the whole
+    packs and its own stored arrays through a barrier of its own (its arrays make the barriers distinct: XLA merges
+    equal ones) and slices its rows inside its own kernels: sliced before a barrier, every row set was a kernel
+    of its own (104 one-number kernels a step on the GPT-2 tree under SkipNonFinite)."""
     filled = [fill(v, packs) for v in views]
     if len(views) < 2:
         return filled
@@ -318,12 +322,28 @@ def _filled_apart(views: list, packs: tuple) -> list:
     at = [[j for j, a in enumerate(leaves) if is_packed(a)] for leaves in stored]
     if not any(at) or any(len(f[0]) != len(leaves) for f, leaves in zip(flat, stored)):
         return filled
-    out = []
-    for (leaves, treedef), js, own in zip(flat, at, _apart([[f[0][j] for j in js] for f, js in zip(flat, at)])):
-        leaves = list(leaves)
-        for j, a in zip(js, own):
+    shared = [any(f[0][j] is not packs[leaves[j].group][leaves[j].leaf] for j in js)
+              for f, js, leaves in zip(flat, at, stored)]
+    whole = [k for k, s in enumerate(shared) if not s]
+    out = list(filled)
+    for k, own in zip(whole, _apart([[flat[k][0][j] for j in at[k]] for k in whole])):
+        leaves = list(flat[k][0])
+        for j, a in zip(at[k], own):
             leaves[j] = a
-        out.append(treedef.unflatten(leaves))
+        out[k] = flat[k][1].unflatten(leaves)
+    for k in (k for k, s in enumerate(shared) if s):
+        leaves = stored[k]
+        groups = sorted({leaves[j].group for j in at[k]})
+        arrays = [j for j, a in enumerate(leaves) if isinstance(a, jax.Array)]
+        read, mine = jax.lax.optimization_barrier(([packs[g] for g in groups], [leaves[j] for j in arrays]))
+        leaves = list(leaves)
+        for j, a in zip(arrays, mine):
+            leaves[j] = a
+        own_packs = list(packs)
+        for g, p in zip(groups, read):
+            own_packs[g] = p
+        out[k] = fill(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(views[k], is_leaf=is_packed),
+                                                   leaves), tuple(own_packs))
     return out
 
 
