@@ -1,8 +1,8 @@
 """Field contracts declared on the field (`optim.fields.nonneg(0.1)`, optim/_rules/fields.py) and read by `Rule`.
 
-The new form, the older class tuples (still read, also mixed with the new form), inheritance (a contract goes
-with the field's name: a subclass that gives a plain new default keeps it) and the `TypeError`s raised when a
-class declares contracts that cannot hold.
+The field form, inheritance (a contract goes with the field's name: a subclass that gives a plain new default
+keeps it) and the `TypeError`s raised when a class declares contracts the old way (class tuples, dropped) or on
+a name that is not a field.
 """
 
 from __future__ import annotations
@@ -74,38 +74,25 @@ def test_the_new_form_checks_converts_and_keeps_static_fields_out_of_the_leaves(
     assert optim.adjust(state, lr=0.5).rule.lr == 0.5
 
 
-def test_the_old_form_still_works_and_gives_the_same_class():
-    class Old(optim.Rule):
-        lr: Any = 0.1
-        beta: Any = (0.9, 0.99)
-        on: bool = True
-        dtype: Any = None
-        _static = ("on", "dtype")
-        _flags = ("on",)
-        _nonneg = ("lr",)
-        _unit = ("beta",)
-
-    class New(optim.Rule):
-        lr: Any = optim.fields.nonneg(0.1)
-        beta: Any = optim.fields.unit((0.9, 0.99))
-        on: bool = optim.fields.flag(True)
-        dtype: Any = optim.fields.static(None)
-
-    assert tuples(Old) == tuples(New)
-    with pytest.raises(ValueError, match="Old: lr must be >= 0"):
-        Old(-1.0)
-    assert len(jax.tree_util.tree_leaves(Old())) == 3
-
-
-def test_the_two_forms_mix():
-    class Mixed(optim.Rule):
-        lr: Any = optim.fields.nonneg(0.1)
-        eps: Any = 1e-8
-        on: bool = optim.fields.flag(False)
-        _nonneg = ("eps",)
-        _static = ("on",)       # redundant with flag: accepted
-
-    assert tuples(Mixed) == {"_nonneg": ("lr", "eps"), "_static": ("on",), "_flags": ("on",)}
+@pytest.mark.parametrize("attr, names, contract", [("_nonneg", ("lr",), "nonneg"), ("_static", ("dtype",), "static"),
+                                                   ("_flags", ("on",), "flag"), ("_unit", ("beta",), "unit"),
+                                                   ("_initial", ("lr",), "initial"), ("_counts", ("n",), "count")])
+def test_a_class_tuple_is_refused_with_the_field_form(attr, names, contract):
+    """The class tuples are derived from the fields; set by hand (the form before the field markers) they are
+    refused, and the message gives the field form to write."""
+    body = {"__annotations__": {n: Any for n in names}, **{n: 0.1 for n in names}, attr: names}
+    with pytest.raises(TypeError, match=rf"Old: the class tuple {attr} = \('{names[0]}',\) is not read .*"
+                                        rf"`{names[0]}: \.\.\. = optim\.fields\.{contract}\(<its default>\)`"):
+        type("Old", (optim.Rule,), body)
+    # Beside field markers too, and in a subclass of a rule declared with them.
+    with pytest.raises(TypeError, match=r"Mixed: the class tuple _nonneg"):
+        class Mixed(optim.Rule):
+            lr: Any = optim.fields.nonneg(0.1)
+            eps: Any = 1e-8
+            _nonneg = ("eps",)
+    with pytest.raises(TypeError, match=r"More: the class tuple _static"):
+        class More(optim.AdamW):
+            _static = ("mu_dtype",)
 
 
 def test_a_subclass_inherits_the_contracts_by_name():
@@ -130,47 +117,17 @@ def test_a_subclass_inherits_the_contracts_by_name():
     assert Extra._nonneg == optim.AdamW._nonneg and Extra._tuples == {"beta": (0.9, 0.999)}
 
 
-def test_an_old_form_subclass_of_a_new_form_rule_keeps_the_inherited_contracts():
+def test_a_subclass_adds_contracts_and_keeps_the_inherited_ones():
     class More(optim.AdamW):
-        scale: Any = 2.0
-        _nonneg = ("scale",)
-        _static = ("mu_dtype",)
+        scale: Any = optim.fields.nonneg(2.0)
 
     assert More._nonneg == ("lr", "weight_decay", "eps", "scale")
-    assert More._static == ("couple", "mu_dtype", "nu_dtype") and More._flags == ("couple",)
+    assert More._static == optim.AdamW._static and More._flags == ("couple",)
+    with pytest.raises(ValueError, match="More: scale must be >= 0"):
+        More(scale=-1.0)
 
 
-def test_two_contracts_are_refused():
-    with pytest.raises(TypeError, match=r"Two: field 'lr' has two contracts \(nonneg on the field, unit in the "
-                                        r"class tuples\)"):
-        class Two(optim.Rule):
-            lr: Any = optim.fields.nonneg(0.1)
-            _unit = ("lr",)
-    with pytest.raises(TypeError, match=r"Twice: field 'lr' has two contracts \(_nonneg, _unit\)"):
-        class Twice(optim.Rule):
-            lr: Any = 0.1
-            _nonneg = ("lr",)
-            _unit = ("lr",)
-    with pytest.raises(TypeError, match=r"Both: field 'dtype' has two contracts \(_static, _nonneg\)"):
-        class Both(optim.Rule):
-            dtype: Any = None
-            _static = ("dtype",)
-            _nonneg = ("dtype",)
-
-
-def test_a_flag_must_be_static():
-    with pytest.raises(TypeError, match=r"Loose: field 'on' is a flag but not static"):
-        class Loose(optim.Rule):
-            on: bool = False
-            _flags = ("on",)
-
-
-def test_a_contract_on_a_name_that_is_not_a_field_is_refused():
-    with pytest.raises(TypeError, match=r"Typo: 'lrr' declared with a contract but not a field of Typo "
-                                        r"\(fields: lr\)"):
-        class Typo(optim.Rule):
-            lr: Any = 0.1
-            _nonneg = ("lrr",)
+def test_a_contract_on_a_name_without_an_annotation_is_refused():
     with pytest.raises(TypeError, match=r"Bare: 'lr' is a field but has no type annotation"):
         class Bare(optim.Rule):
             lr = optim.fields.nonneg(0.1)

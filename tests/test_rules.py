@@ -984,10 +984,8 @@ def test_list_beta_is_a_pair():
 class ThreeBetas(optim.Rule):
     """A test rule with three decay rates (as Adan has): a tuple default of length 3 makes `beta` a triple."""
 
-    lr: float = 0.1
-    beta: tuple = (0.9, 0.8, 0.7)
-    _nonneg = ("lr",)
-    _unit = ("beta",)
+    lr: float = optim.fields.nonneg(0.1)
+    beta: tuple = optim.fields.unit((0.9, 0.8, 0.7))
 
     def apply(self, state, x, dx, *dxs):
         b = optim._rules.protocol.tuple_of(self.beta, x)

@@ -38,6 +38,7 @@ import numpy as np
 
 from .._base.cache import memoize
 from .optax_checks import WholeTreeError, check, is_transformation, label, normalise, transformation_name
+from .._rules.fields import static
 from .._rules.protocol import Rule
 from .._rules.schedules import Schedule
 from .._core.state import State
@@ -54,13 +55,12 @@ class FromOptax(Rule):
     `extra_args` holds the keyword arguments passed to every `tx.update` (`with_extra_args`).
     """
 
-    tx: Any = None
+    tx: Any = static(None)
     extra_args: Any = None
-    tree_args: tuple = ()
-    static_kwargs: tuple = ()
-    check: bool = True
-    gradient_like: bool = False
-    _static = ("tx", "tree_args", "static_kwargs", "check", "gradient_like")
+    tree_args: tuple = static(())
+    static_kwargs: tuple = static(())
+    check: bool = static(True)
+    gradient_like: bool = static(False)
     _hyper: ClassVar[tuple] = ()   # (field name, factory keyword) of the numeric factory arguments
 
     def transformation(self) -> Any:

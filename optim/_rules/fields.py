@@ -7,7 +7,8 @@
 
 Each is `dataclasses.field(default=..., metadata={KEY: contract})`. `Rule.__init_subclass__` reads the contracts
 (`contract_tuples`) into the class tuples `_static`, `_nonneg`, ... that the constructor, `adjust` and the pytree
-registration read, merged with any tuples a class declares by hand (the older form, still accepted).
+registration read. Those tuples are derived, never declared: a class that sets one by hand (the form before
+the field markers) is refused, with the field form to write.
 
 A rule's state is a named tuple; its fields that hold a few numbers per parameter, whatever the parameter's
 shape, carry the annotation `Small` (`bt: Small`), read by `small_fields`.
@@ -129,39 +130,32 @@ def declared(cls: type) -> dict[str, str]:
             if isinstance(v, dataclasses.Field) and KEY in v.metadata}
 
 
-def _by_name(owner: str, tuples: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """`{name: contract}` from class tuples; a name in two of them (other than a flag's pair) is refused."""
+def contract_tuples(cls: type, own: dict[str, str], fields: list[str]) -> dict[str, tuple[str, ...]]:
+    """The class tuples of `cls`, a dataclass by now, by name: each field's contract is the one declared nearest
+    to `cls` (its own `Field`s, else what its bases derived), so a subclass that gives a field a new plain
+    default keeps the field's contract, and one that declares another contract replaces it. `own` is
+    `declared(cls)`, `fields` the names of its fields (in order: the tuples list them in that order). A class
+    that sets a tuple itself is refused: the tuples are derived from the fields."""
+    owner = cls.__name__
+    by_hand = [a for a in NAMES if a in vars(cls)]
+    if by_hand:
+        a = by_hand[0]
+        names = vars(cls)[a]
+        contract = next(c for c, attrs in TUPLES.items() if attrs[-1] == a)
+        field = names[0] if names else "name"
+        raise TypeError(f"{owner}: the class tuple {a} = {names!r} is not read (the form before the field markers, "
+                        f"dropped): declare the contract on each field, `{field}: ... = "
+                        f"optim.fields.{contract}(<its default>)`")
+    inherited = {a: next((vars(b)[a] for b in cls.__mro__[1:] if a in vars(b)), ()) for a in NAMES}
+    merged = {**_inherited(inherited), **own}
+    return {a: tuple(n for n in fields if a in TUPLES.get(merged.get(n), ())) for a in NAMES}
+
+
+def _inherited(tuples: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """`{name: contract}` from a base's derived tuples (a name in a contract's every tuple: a flag in `_static`
+    and `_flags`, an initial value in `_nonneg` and `_initial`)."""
     where: dict[str, list[str]] = {}
     for attr in NAMES:
         for n in tuples.get(attr, ()):
             where.setdefault(n, []).append(attr)
-    out = {}
-    for n, attrs in where.items():
-        contract = _CONTRACT.get(tuple(attrs))
-        if contract is None:
-            if attrs == ["_flags"]:
-                raise TypeError(f"{owner}: field {n!r} is a flag but not static: a flag picks the program, "
-                                f"so it must be listed in _static too (or declared with flag(...))")
-            raise TypeError(f"{owner}: field {n!r} has two contracts ({', '.join(attrs)}); give it one")
-        out[n] = contract
-    return out
-
-
-def contract_tuples(cls: type, own: dict[str, str], fields: list[str]) -> dict[str, tuple[str, ...]]:
-    """The class tuples of `cls`, a dataclass by now, by name: each field's contract is the one declared nearest
-    to `cls` (its own `Field`s and hand tuples, else what its bases derived), so a subclass that gives a field a
-    new plain default keeps the field's contract, and one that declares another contract replaces it. `own` is
-    `declared(cls)`, `fields` the names of its fields (in order: the tuples list them in that order)."""
-    owner = cls.__name__
-    inherited = {a: next((vars(b)[a] for b in cls.__mro__[1:] if a in vars(b)), ()) for a in NAMES}
-    by_hand = _by_name(owner, {a: vars(cls)[a] for a in NAMES if a in vars(cls)})
-    for n, c in own.items():
-        if n in by_hand and by_hand[n] != c and (c, by_hand[n]) != ("flag", "static"):
-            raise TypeError(f"{owner}: field {n!r} has two contracts ({c} on the field, {by_hand[n]} in the "
-                            f"class tuples); give it one")
-    merged = {**_by_name(owner, inherited), **by_hand, **own}
-    missing = [n for n in merged if n not in fields]
-    if missing:
-        raise TypeError(f"{owner}: {', '.join(map(repr, missing))} declared with a contract but not a field of "
-                        f"{owner} (fields: {', '.join(fields)})")
-    return {a: tuple(n for n in fields if a in TUPLES.get(merged.get(n), ())) for a in NAMES}
+    return {n: _CONTRACT[tuple(attrs)] for n, attrs in where.items()}

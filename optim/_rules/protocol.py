@@ -124,8 +124,9 @@ class Rule:
     none. The constructor checks concrete values and stores numbers as
     floats, so `adjust` never truncates one given as an int. A tuple default makes the field a tuple of that
     many numbers, each checked alike: `unit((0.9, 0.999))` a pair, `unit((0.9, 0.99, 0.999))` a triple.
-    A subclass that gives a field a plain new default keeps its contract. The older form, class tuples
-    (`_nonneg = ("lr",)`, `_static`, ...; the class attributes below), is still read.
+    A subclass that gives a field a plain new default keeps its contract. The class tuples below are derived
+    from the fields; a class that sets one itself (`_nonneg = ("lr",)`, the form before the field markers) is
+    refused with a `TypeError` that gives the field form.
 
     >>> import jax.numpy as jnp, optim
     >>> class Sign(optim.Rule):
@@ -141,7 +142,7 @@ class Rule:
     ValueError: Sign: lr must be >= 0 and finite, got -1.0
     """
 
-    # Derived per subclass from its fields' contracts (`optim._rules.fields`) and any tuples it declares by hand.
+    # Derived per subclass from its fields' contracts (`optim._rules.fields`); never set by hand.
     _static: ClassVar[tuple[str, ...]] = ()
     _nonneg: ClassVar[tuple[str, ...]] = ()   # finite and >= 0
     _initial: ClassVar[tuple[str, ...]] = ()  # read only by init (in `_nonneg` too): no schedule
