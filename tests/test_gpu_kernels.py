@@ -37,8 +37,8 @@ CASES = {
     "Adam": (lambda: optim.Adam(1e-3), 13, 49),
     "Adam bf16 moments": (lambda: optim.Adam(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), 15, None),
     "Lion": (lambda: optim.Lion(1e-4), 12, 100),
-    "clip+Adam": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-3)), 23, 100),
-    "clip+AdamW": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3, **ADAMW)), 23, 81),
+    "clip+Adam": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.Adam(1e-3)), 21, 100),
+    "clip+AdamW": (lambda: optim.chain(optim.ClipGlobalNorm(1.0), optim.AdamW(1e-3, **ADAMW)), 21, 81),
     "SkipNonFinite(Adam)": (lambda: optim.SkipNonFinite(optim.Adam(1e-3)), 25, None),
     "SkipNonFinite(AdamW)": (lambda: optim.SkipNonFinite(optim.AdamW(1e-3, **ADAMW)), 25, 221),   # 308, 1985
     "EMA(AdamW)": (lambda: optim.EMA(optim.AdamW(1e-3, **ADAMW), 0.999), 13, 83),                   # 19, 160
