@@ -477,6 +477,9 @@ def measure(tree_name: str, workload: str, who: str, rule, tx=None, where=None) 
 def run(trees=TREES, names=None, skip: set = SLOW) -> list[dict]:
     """`measure` each workload (`names`: all) on each tree, optim then optax (optax not on gpt2-tied)."""
     where, rows = sharding(), []
+    # XLA:GPU's first compile in a process also starts the compiler (~0.6-1 s on GPT-2's AdamW), which would be
+    # charged to the first row: compile a small program first.
+    jax.jit(lambda a: a * 2 + 1).lower(abstract(np.zeros((1024,), np.float32), where)).compile()
     for tree_name in trees:
         for name, (rule, tx) in workloads().items():
             if (names and name not in names) or (tree_name, name) in skip:
