@@ -2,7 +2,8 @@
 
 Run as a script (`python tests/split_cases.py OUT.json`): it sets XLA_FLAGS before JAX starts, trains models of
 same-shaped matrices with each matrix rule on one device and on a mesh of 8 (replicated parameters in a
-sharded `jit`, ZeRO-1 and FSDP on Auto and on Explicit axes, inside `shard_map`), and writes one JSON record per
+sharded `jit`, ZeRO-1 and FSDP on Auto and on Explicit axes, inside `shard_map`, and the sharded step under
+`vmap`, `jax.export` and `grad`), and writes one JSON record per
 case: `{"ok": bool, "error": str, ...measurements}`. Each record holds the largest difference from the
 single-device parameters and, from the per-device compiled program (`compile().as_text()`), the matrix
 products it does with the split on and with it off (`optim._rules.split.ENABLED`).
@@ -144,12 +145,58 @@ def case_shard_map(rule: str) -> dict:
     return {"on": difference(model_r, ref)}
 
 
+def case_transformed(rule: str) -> dict:
+    """The split step (replicated parameters on the mesh) under the transformations a user applies to `update`:
+    `jax.vmap` over two models at once, `jax.export` and back, and a derivative through a step (the loss after
+    one step, by the learning rate: `jax.grad` of `update`'s output). Each against the same transformation on one
+    device, where nothing is split; `dots` is the vmapped per-device program's products (split: the batch of 2
+    times 1/8 of them)."""
+    model = make_model(rule)
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+    rep = NamedSharding(mesh, P())
+    put = (lambda t: jax.device_put(t, rep))
+    g = gradients(model)[0]
+    twice = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), model)
+    g2 = jax.tree.map(lambda a: jnp.stack([a, -a]), g)
+
+    def vmapped(put):
+        states = [optim.setup(RULES[rule](), put(jax.tree.map(lambda a, i=i: a[i], twice))) for i in range(2)]
+        state = jax.tree.map(lambda a, b: jnp.stack([a, b]), *states)
+        step = jax.jit(jax.vmap(lambda s, m, d: optim.update(s, m, d)))
+        text = step.lower(state, put(twice), put(g2)).compile().as_text()
+        return step(state, put(twice), put(g2))[1], text
+
+    def exported(put):
+        state, m = optim.setup(RULES[rule](), put(model)), put(model)
+        step = jax.jit(lambda s, m, d: optim.update(s, m, d))
+        exp = jax.export.export(step)(state, m, put(g))
+        return exp.call(state, m, put(g))[1]
+
+    def derivative(put):
+        m = put(model)
+
+        def loss(lr):
+            state = optim.adjust(optim.setup(RULES[rule](), m), lr=lr)
+            new = optim.update(state, m, put(g))[1]
+            return sum(jnp.sum(v ** 2) for v in jax.tree.leaves(new))
+        return {"d": jax.jit(jax.grad(loss))(jnp.float32(0.02))}
+
+    out = {}
+    one_v, _ = vmapped(lambda t: t)
+    got_v, text = vmapped(put)
+    out["vmap"] = {**difference(got_v, one_v), **products(text)}
+    out["export"] = difference(exported(put), exported(lambda t: t))
+    out["grad"] = difference(derivative(put), derivative(lambda t: t))
+    return out
+
+
 def main(out_path: str, only: str = "") -> None:
     assert jax.device_count() == N_DEV, jax.devices()
     cases = [(f"{r}_{k}", (lambda r=r, k=k: case(r, k)))
              for r in RULES for k in ("replicated", "zero1_auto", "zero1_explicit")]
     cases += [(f"muon_{k}", lambda k=k: case("muon", k)) for k in ("fsdp", "fsdp_explicit")]
     cases += [("muon_shard_map", lambda: case_shard_map("muon"))]
+    cases += [("muon_transformed", lambda: case_transformed("muon"))]
     results = {}
     for name, fn in [c for c in cases if not only or c[0] in only.split(",")]:
         t0, c0 = time.perf_counter(), time.process_time()

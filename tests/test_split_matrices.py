@@ -63,3 +63,16 @@ def test_muon_fsdp(cases, kind):
 
 def test_nothing_is_split_inside_shard_map(cases):
     _record(cases, "muon_shard_map")
+
+
+def test_muon_split_under_vmap_export_and_grad(cases):
+    """The split step under `jax.vmap` (two models at once), `jax.export` and `jax.grad` (the loss after a step, by
+    the learning rate): each equal to the same transformation on one device; vmapped, each device still does the
+    products of its share of the matrices, for both models."""
+    rec = cases["muon_transformed"]
+    assert rec["ok"], f"{rec.get('error')}\n{rec.get('traceback', '')}"
+    for how in ("vmap", "export", "grad"):
+        assert rec[how]["close"], f"{how}: differs from one device by {rec[how]['max_abs_diff']}"
+    plain = _record(cases, "muon_replicated")
+    each = plain["off"]["dots"] // (N + N_LARGE)
+    assert rec["vmap"]["dots"] == 2 * each * (N // N_DEV + 1)
