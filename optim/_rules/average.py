@@ -68,7 +68,7 @@ class EMA(Rule):
     rule: Any = None
     decay: Hyper = decay(0.999)
     _across = False     # per parameter; its inner rule may look across
-    _gate = True        # `apply_tree` takes an outer gate (`skip_unless`)
+    _gate = True        # `apply_tree` takes an outer gate (`Rule._gate`)
 
     def __init__(self, rule: Any, decay: Hyper = 0.999):
         if not is_rule(rule):

@@ -171,6 +171,9 @@ class Rule:
     # Whether XLA's path may split the rule's step per stack to run its scalar arithmetic once per pack
     # (`optim._engine.hoist`); False: its `apply_tree` gets all its stacks at once (SOAP orders their eigh / qr).
     _hoist: ClassVar[bool] = True
+    # Whether `apply_tree` takes an outer scalar gate `ok=` (`skip_unless`'s selects): a rule whose state reads its
+    # own new parameter (`EMA`) then reads the gated value the parameter is updated to.
+    _gate: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -353,8 +356,7 @@ def skip_unless(ok: jax.Array, rule: Any, states: list, xs: list, dxs: list) -> 
     fuses into the rule's own loops there and which need no predicate on the host (a GPU conditional reads it
     back every step). Under `vmap` (a batched `ok`) JAX turns the conditional into the same selects."""
     def run(states, xs, dxs, gate=None):
-        # A rule whose state reads its own new parameter (`EMA`) is told the gate, so that it reads the gated
-        # value the parameter is updated to (`EMA.apply_tree`).
+        # A rule that takes the gate (`Rule._gate`: EMA) reads the gated new parameter (`EMA.apply_tree`).
         new, steps = (rule.apply_tree(states, xs, dxs, ok=gate) if gate is not None and getattr(rule, "_gate", False)
                       else apply_all(rule, states, xs, dxs))
         # The branches must agree on dtypes: a rule computing in float32 keeps a bfloat16 state bfloat16.
