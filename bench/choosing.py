@@ -24,7 +24,8 @@ Measured per optimiser:
 - the step time of a jitted train step (`value_and_grad` of the loss and `optim.update`, state and model
   donated) on one fixed batch: rounds in which every optimiser takes `--inner` steps in turn, each round's
   mean step time divided by AdamW's in the same round, and the median of those ratios over `--rounds` rounds
-  (with AdamW's absolute median alongside); the first call (trace, compile, one step) of the training run;
+  (with AdamW's absolute median alongside); the first call (trace, compile, one step) of the training run,
+  after a warm-up step;
 - the optimiser state's bytes over the parameters' bytes: every distinct array in `jax.tree.leaves(state)`
   (the rule's moments, the step counter, the hyperparameters) counted once, over the distinct trainable
   parameters (the tied embedding once).
@@ -238,6 +239,10 @@ def measure(names, size, steps, rounds, inner, seed=0, log=print) -> dict:
     val_batches = [next(mod.batches(val_ids, batch, ctx, val_rng)) for _ in range(4)]
     k = max(1, min(20, steps // 10))
 
+    # JAX and XLA start once per process, in its first compile: one throwaway step first, so that each
+    # optimiser's first call is its own trace and compile (measured first, AdamW's was 4.5 s against 1.9 s).
+    warm = Run(names[0], mod, params0, cfg, steps)
+    warm.train(data[:1])
     runs, rows = {}, {}
     for name in names:
         t0 = time.perf_counter()
@@ -339,7 +344,8 @@ batches of `examples/data/shakespeare.txt`. Loss in nats per character: {start:.
   {res['rounds']} rounds of {res['inner']} steps per optimiser, interleaved; each round's mean step time over
   {ref}'s in the same round, the median of those ratios (their range in brackets). {ref}'s step:
   {rows[ref]['step_s'] * 1e3:.1f} ms.
-- first call: trace, compile and one step.
+- first call: trace, compile and one step, after a throwaway step of the first optimiser's (JAX and XLA
+  start in a process's first compile, which would be charged to the first row).
 - state / parameters: the bytes of the distinct arrays in the optimiser state (moments, counters,
   hyperparameters) over the bytes of the distinct parameters.
 
