@@ -344,15 +344,19 @@ def entry_kernels(hlo_text: str) -> dict:
 
 def count(step, *args) -> dict:
     """Compile `step` (jitted, or jitted here) for the H100 on abstract `args`, count its kernels and bytes
-    (`entry_kernels`), plus `compile_s`. The args must be placed by `sharding()` (see `abstract`)."""
+    (`entry_kernels`), plus `compile_s` and `peak_bytes` (arguments and temporaries, XLA's `memory_analysis`). The
+    args must be placed by `sharding()` (see `abstract`)."""
     step = step if hasattr(step, "lower") else jax.jit(step)
     t = time.perf_counter()
-    text = step.lower(*args).compile().as_text()
+    compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t
+    text = compiled.as_text()
     out = entry_kernels(text)
     if re.search(r'custom_call_target="optim', text):
         raise AssertionError("optim's CPU kernel in a GPU program")
-    return {**out, "compile_s": round(compile_s, 2)}
+    memory = compiled.memory_analysis()
+    return {**out, "compile_s": round(compile_s, 2),
+            "peak_bytes": memory.argument_size_in_bytes + memory.temp_size_in_bytes}
 
 
 def _nbytes(tree, distinct: bool = False) -> int:

@@ -318,10 +318,12 @@ def _filled_apart(views: list, packs: tuple) -> list:
     if len(views) < 2:
         return filled
     flat = [jax.tree_util.tree_flatten(t, is_leaf=is_packed) for t in filled]
-    stored = [jax.tree_util.tree_flatten(v, is_leaf=is_packed)[0] for v in views]
+    stored_flat = [jax.tree_util.tree_flatten(v, is_leaf=is_packed) for v in views]
+    stored = [leaves for leaves, _ in stored_flat]
     at = [[j for j, a in enumerate(leaves) if is_packed(a)] for leaves in stored]
     if not any(at) or any(len(f[0]) != len(leaves) for f, leaves in zip(flat, stored)):
         return filled
+    # `fill` returns a pack itself where the stack's rows are all of it
     shared = [any(f[0][j] is not packs[leaves[j].group][leaves[j].leaf] for j in js)
               for f, js, leaves in zip(flat, at, stored)]
     whole = [k for k, s in enumerate(shared) if not s]
@@ -332,18 +334,16 @@ def _filled_apart(views: list, packs: tuple) -> list:
             leaves[j] = a
         out[k] = flat[k][1].unflatten(leaves)
     for k in (k for k, s in enumerate(shared) if s):
-        leaves = stored[k]
+        leaves, treedef = list(stored_flat[k][0]), stored_flat[k][1]
         groups = sorted({leaves[j].group for j in at[k]})
         arrays = [j for j, a in enumerate(leaves) if isinstance(a, jax.Array)]
         read, mine = jax.lax.optimization_barrier(([packs[g] for g in groups], [leaves[j] for j in arrays]))
-        leaves = list(leaves)
         for j, a in zip(arrays, mine):
             leaves[j] = a
         own_packs = list(packs)
         for g, p in zip(groups, read):
             own_packs[g] = p
-        out[k] = fill(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(views[k], is_leaf=is_packed),
-                                                   leaves), tuple(own_packs))
+        out[k] = fill(treedef.unflatten(leaves), tuple(own_packs))
     return out
 
 
